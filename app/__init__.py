@@ -1,0 +1,1 @@
+"""kvmesh services: worker, router, dashboard, CLI."""

@@ -1,0 +1,1 @@
+"""kvmesh KV event wire format, Redis Streams transport and cluster prefix index."""
