@@ -1,0 +1,51 @@
+"""Shared fixtures: a real Redis for the session, and Hypothesis profiles.
+
+Redis is always a real server: ``$REDIS_URL`` when set, else a private ``redis-server`` that
+``EmbeddedRedis`` starts once per session. Never a stand-in.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+import redis
+from hypothesis import settings
+
+from app.redis_server import EmbeddedRedis
+
+# Deadlines flake on a loaded 2-core CI machine; CI also runs derandomised so a failure there
+# reproduces locally with HYPOTHESIS_PROFILE=ci.
+settings.register_profile("dev", deadline=None)
+settings.register_profile("ci", deadline=None, derandomize=True, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    """URL of the session's Redis: ``$REDIS_URL``, else a private embedded server."""
+    url = os.environ.get("REDIS_URL")
+    if url:
+        yield url
+        return
+    with EmbeddedRedis() as server:
+        yield server.url
+
+
+@pytest.fixture
+def clean_redis_url(redis_url: str) -> str:
+    """The session's Redis, emptied (FLUSHALL) before the test."""
+    client = redis.Redis.from_url(redis_url)
+    try:
+        client.flushall()
+    finally:
+        client.close()
+    return redis_url
+
+
+@pytest.fixture
+def embedded_redis() -> Iterator[EmbeddedRedis]:
+    """A private redis-server for this test alone, which it may kill and restart."""
+    with EmbeddedRedis() as server:
+        yield server
