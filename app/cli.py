@@ -1,0 +1,210 @@
+"""The ``kvmesh`` command line: one subcommand per service, plus ``demo`` and ``bench``.
+
+``build_parser()`` is the single definition of every flag; ``tests/app/test_compose.py`` parses
+the commands of ``docker-compose.yml`` with it, so the two cannot drift apart. Services that are
+not written yet say so and exit 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import secrets
+import sys
+import time
+from collections.abc import Callable, Sequence
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+from app.bench import BENCHMARKS, load_benchmark
+from app.settings import Settings
+
+__all__ = ["build_parser", "main"]
+
+Handler = Callable[[argparse.Namespace], int]
+
+ROUTING_POLICIES = ("kv_aware", "round_robin", "random", "least_loaded")
+
+
+def _package_version() -> str:
+    try:
+        return version("kvmesh")
+    except PackageNotFoundError:  # running from a source tree that is not installed
+        return "unknown"
+
+
+def _add_service_flags(parser: argparse.ArgumentParser, *, default_port: int) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=int, default=default_port, help="port to listen on")
+    _add_redis_flag(parser)
+
+
+def _add_redis_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--redis-url",
+        default=None,
+        help="Redis to use (default: $REDIS_URL; demo and bench start a private one if unset)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvmesh",
+        description="KV-cache manager and cache-aware router for LLM serving.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_package_version()}")
+    parser.add_argument(
+        "--log-level",
+        type=str.upper,
+        choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
+        default=None,
+        help="log level (default: $KVMESH_LOG_LEVEL or INFO)",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    demo = sub.add_parser(
+        "demo", help="run kvmesh on this machine and print a summary (so far: a Redis check)"
+    )
+    _add_redis_flag(demo)
+    demo.set_defaults(handler=_cmd_demo)
+
+    worker = sub.add_parser("worker", help="a worker service owning one GPU's KV cache")
+    worker.add_argument("--worker-id", required=True, help="unique id of this worker, e.g. w0")
+    _add_service_flags(worker, default_port=8001)
+    worker.add_argument(
+        "--advertise-url",
+        default=None,
+        help="URL under which routers reach this worker (default: http://HOST:PORT)",
+    )
+    worker.add_argument("--engine", choices=["sim", "torch"], default="sim", help="engine back-end")
+    worker.set_defaults(handler=_not_implemented)
+
+    router = sub.add_parser("router", help="the cache-aware router")
+    _add_service_flags(router, default_port=8000)
+    router.add_argument("--policy", choices=ROUTING_POLICIES, default="kv_aware")
+    router.add_argument(
+        "--workers",
+        default=None,
+        help="comma-separated ID=URL pairs (default: discover workers from Redis)",
+    )
+    router.set_defaults(handler=_not_implemented)
+
+    dashboard = sub.add_parser("dashboard", help="a live web dashboard of KV events")
+    _add_service_flags(dashboard, default_port=8080)
+    dashboard.set_defaults(handler=_not_implemented)
+
+    replay = sub.add_parser("replay", help="replay a request trace through a simulated cluster")
+    replay.add_argument("trace", help="trace file (Mooncake .jsonl or Azure .csv)")
+    replay.add_argument("--num-workers", type=int, default=4)
+    replay.add_argument("--policy", choices=ROUTING_POLICIES, default="kv_aware")
+    replay.add_argument("--out", default=None, help="directory for the report and plots")
+    replay.set_defaults(handler=_not_implemented)
+
+    bench = sub.add_parser("bench", help="run a benchmark")
+    bench.add_argument("name", choices=sorted(BENCHMARKS), help="which benchmark")
+    bench.add_argument("--json", action="store_true", help="print the result as one JSON line")
+    bench.add_argument("--quick", action="store_true", help="a small run (for tests)")
+    bench.set_defaults(handler=_cmd_bench)
+
+    ingest = sub.add_parser("ingest", help="publish TensorRT-LLM KV event JSON to the stream")
+    ingest.add_argument("source", nargs="?", default="-", help="file of events, or - for stdin")
+    ingest.add_argument("--worker-id", required=True, help="worker the events belong to")
+    _add_redis_flag(ingest)
+    ingest.set_defaults(handler=_not_implemented)
+
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    settings = Settings()
+    logging.basicConfig(
+        level=args.log_level or settings.log_level,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    handler: Handler = args.handler
+    return handler(args)
+
+
+def _not_implemented(args: argparse.Namespace) -> int:
+    print(f"kvmesh {args.command}: not implemented yet", file=sys.stderr)
+    return 1
+
+
+# -- bench ---------------------------------------------------------------------------------
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    result = load_benchmark(args.name)(args)
+    if args.json:
+        # The last line of output is the JSON object, so scripts can `tail -n1`.
+        print(json.dumps(result, sort_keys=True))
+    else:
+        print(_format_table(args.name, result))
+    return 0
+
+
+def _flatten(prefix: str, value: Any) -> list[tuple[str, Any]]:
+    if isinstance(value, dict):
+        rows: list[tuple[str, Any]] = []
+        for key, item in value.items():
+            rows.extend(_flatten(f"{prefix}.{key}" if prefix else str(key), item))
+        return rows
+    return [(prefix, value)]
+
+
+def _format_table(title: str, result: dict[str, Any]) -> str:
+    rows = _flatten("", result)
+    width = max((len(key) for key, _ in rows), default=0)
+    lines = [f"benchmark: {title}"]
+    lines += [f"  {key:<{width}}  {value}" for key, value in rows]
+    return "\n".join(lines)
+
+
+# -- demo ----------------------------------------------------------------------------------
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from app.redis_server import EmbeddedRedis
+
+    url = args.redis_url or Settings().redis_url
+    if url is not None:
+        print(f"kvmesh demo: using Redis at {url}")
+        asyncio.run(_demo_redis_check(url))
+        return 0
+    with EmbeddedRedis() as server:
+        print(f"kvmesh demo: started a private redis-server (pid {server.pid}) at {server.url}")
+        asyncio.run(_demo_redis_check(server.url))
+    print("kvmesh demo: stopped the private redis-server")
+    return 0
+
+
+async def _demo_redis_check(url: str) -> None:
+    import redis.asyncio as aioredis
+
+    # Unique per run, so that a shared Redis is not disturbed.
+    key = f"kvmesh:demo:{secrets.token_hex(8)}"
+    value = secrets.token_hex(16)
+    client = aioredis.Redis.from_url(url)
+    try:
+        start = time.perf_counter()
+        await client.ping()
+        ping_ms = (time.perf_counter() - start) * 1e3
+        info = await client.info("server")
+        await client.set(key, value, ex=60)
+        echoed = await client.get(key)
+        await client.delete(key)
+    finally:
+        await client.aclose()
+    if echoed != value.encode():
+        raise RuntimeError(f"Redis round trip failed: wrote {value!r}, read {echoed!r}")
+    print(f"  redis version : {info.get('redis_version', '?')}")
+    print(f"  PING          : ok ({ping_ms:.2f} ms)")
+    print("  SET/GET       : ok (round trip through the asyncio client)")
+    print("  workers, router, dashboard and workload replay: not implemented yet")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,124 @@
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from app.bench import BENCHMARKS, load_benchmark
+from app.cli import build_parser, main
+
+SUBCOMMANDS = ["demo", "worker", "router", "dashboard", "replay", "bench", "ingest"]
+
+
+def test_help_lists_every_subcommand(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    for name in SUBCOMMANDS:
+        assert name in out
+
+
+def test_console_script_is_installed() -> None:
+    script = Path(sys.executable).parent / "kvmesh"
+    result = subprocess.run([script, "--help"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0
+    assert "demo" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [],
+        ["frobnicate"],
+        ["--no-such-flag", "demo"],
+        ["demo", "--no-such-flag"],
+        ["worker"],  # --worker-id is required
+        ["bench", "no-such-benchmark"],
+        ["router", "--port", "not-a-number"],
+    ],
+)
+def test_bad_usage_prints_usage_and_exits_2(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert "usage: kvmesh" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["worker", "--worker-id", "w0", "--port", "8001"],
+        ["router", "--port", "8000"],
+        ["dashboard"],
+        ["replay", "trace.jsonl"],
+        ["ingest", "--worker-id", "w0", "events.json"],
+    ],
+)
+def test_unwritten_services_say_so_and_exit_1(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(argv) == 1
+    assert capsys.readouterr().err == f"kvmesh {argv[0]}: not implemented yet\n"
+
+
+def test_every_registered_benchmark_resolves() -> None:
+    for name in BENCHMARKS:
+        assert callable(load_benchmark(name))
+
+
+def test_bench_json_is_the_last_line(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, redis_url: str
+) -> None:
+    monkeypatch.setenv("REDIS_URL", redis_url)
+    assert main(["bench", "redis", "--quick", "--json"]) == 0
+    last_line = capsys.readouterr().out.strip().splitlines()[-1]
+    result = json.loads(last_line)
+    assert result["embedded"] is False
+    assert result["ping_count"] == 200
+    assert result["xadd_count"] == 1_000
+    assert result["ping_p50_us"] > 0
+    assert result["xadd_per_s"] > 0
+
+
+def test_bench_table(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(BENCHMARKS, "fixed", "tests.app.test_cli:_fixed_benchmark")
+    assert main(["bench", "fixed"]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "benchmark: fixed",
+        "  ops_per_s       1234.5",
+        "  latency_us.p50  7",
+    ]
+
+
+def _fixed_benchmark(args: object) -> dict[str, object]:
+    return {"ops_per_s": 1234.5, "latency_us": {"p50": 7}}
+
+
+def test_demo_starts_and_stops_a_private_redis(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    monkeypatch.delenv("KVMESH_REDIS_URL", raising=False)
+    assert main(["demo"]) == 0
+    out = capsys.readouterr().out
+    assert "started a private redis-server" in out
+    assert "SET/GET       : ok" in out
+    assert out.rstrip().endswith("stopped the private redis-server")
+
+
+def test_demo_uses_the_given_redis(capsys: pytest.CaptureFixture[str], redis_url: str) -> None:
+    assert main(["demo", "--redis-url", redis_url]) == 0
+    out = capsys.readouterr().out
+    assert f"using Redis at {redis_url}" in out
+    assert "SET/GET       : ok" in out
+
+
+def test_parser_is_rebuilt_fresh() -> None:
+    # test_compose.py and other callers rely on build_parser() having no shared state.
+    assert build_parser() is not build_parser()
