@@ -1,0 +1,57 @@
+# Everything a newcomer types: `make demo`, `make test`. Only python3 (>= 3.11) and make needed.
+
+PYTHON ?= python3
+VENV ?= .venv
+# torch is installed first and on its own, so that a machine can pick its build, e.g.
+#   make test TORCH_SPEC='torch==2.13.0 --index-url <a CUDA or CPU wheel index>'
+# The default takes the CPU wheel that pip finds in /opt/wheels on our dev and CI machines.
+TORCH_SPEC ?= torch==2.13.0
+PIP_SPEC ?= pip==26.3
+PIP_FLAGS ?= --quiet --disable-pip-version-check
+
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.kvmesh-installed
+TORCH_STAMP := $(VENV)/.torch-spec
+CHECKED := app cache events tests
+
+.PHONY: setup demo test lint fmt typecheck pytest clean FORCE
+
+setup: $(STAMP)
+
+# Rewritten only when TORCH_SPEC changes, so a new spec re-runs the install.
+$(TORCH_STAMP): FORCE
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@echo '$(TORCH_SPEC)' | cmp -s - $@ || echo '$(TORCH_SPEC)' > $@
+
+$(STAMP): pyproject.toml constraints.txt $(TORCH_STAMP)
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install $(PIP_FLAGS) --upgrade '$(PIP_SPEC)'
+	$(BIN)/python -m pip install $(PIP_FLAGS) $(TORCH_SPEC) -c constraints.txt
+	$(BIN)/python -m pip install $(PIP_FLAGS) -e '.[dev]' -c constraints.txt
+	@touch $@
+
+demo: $(STAMP)
+	$(BIN)/kvmesh demo
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+fmt: $(STAMP)
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+typecheck: $(STAMP)
+	$(BIN)/mypy $(CHECKED)
+
+pytest: $(STAMP)
+	$(BIN)/pytest
+
+# pytest last: its summary line is the last line of output (CI reads it).
+test: lint typecheck pytest
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis build *.egg-info
+	find . -name __pycache__ -type d -prune -not -path './.git/*' -exec rm -rf {} +
+
+FORCE:
