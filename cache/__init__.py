@@ -1,0 +1,76 @@
+"""kvmesh's per-worker KV cache block manager: a Python port of TensorRT-LLM's kvCacheManager.cpp.
+
+Pure and synchronous; torch only in `cache.pools`. See DESIGN.md section 1 for the public API.
+"""
+
+from cache.block import KVCacheBlock
+from cache.errors import (
+    DuplicateRequestError,
+    InvalidRetentionConfigError,
+    KVCacheError,
+    OutOfBlocksError,
+    UnknownBlockError,
+    UnknownRequestError,
+)
+from cache.events import (
+    CreatedData,
+    EventDiff,
+    KVCacheEvent,
+    RemovedData,
+    StoredBlock,
+    StoredData,
+    UpdatedData,
+)
+from cache.eviction import PRIMARY_LEVEL, SECONDARY_LEVEL, LRUEvictionPolicy
+from cache.hashing import (
+    HASH_IMPL,
+    BlockHash,
+    BlockKey,
+    MultimodalItem,
+    block_hashes_for_tokens,
+    block_key_hash,
+)
+from cache.manager import CacheType, KVCacheManager, KvCacheStats
+from cache.request import LlmRequest, RequestState
+from cache.retention import RetentionConfig, TokenRangeRetention, TransferMode
+
+
+class CacheLevel:
+    """Cache tiers as they appear in events: 0 primary (GPU), 1 secondary (host)."""
+
+    PRIMARY = PRIMARY_LEVEL
+    SECONDARY = SECONDARY_LEVEL
+
+
+__all__ = [
+    "HASH_IMPL",
+    "BlockHash",
+    "BlockKey",
+    "CacheLevel",
+    "CacheType",
+    "CreatedData",
+    "DuplicateRequestError",
+    "EventDiff",
+    "InvalidRetentionConfigError",
+    "KVCacheBlock",
+    "KVCacheError",
+    "KVCacheEvent",
+    "KVCacheManager",
+    "KvCacheStats",
+    "LRUEvictionPolicy",
+    "LlmRequest",
+    "MultimodalItem",
+    "OutOfBlocksError",
+    "RemovedData",
+    "RequestState",
+    "RetentionConfig",
+    "StoredBlock",
+    "StoredData",
+    "TokenRangeRetention",
+    "TransferMode",
+    "UnknownBlockError",
+    "UnknownRequestError",
+    "UpdatedData",
+    "block_hashes_for_tokens",
+    "block_key_hash",
+]

@@ -1,0 +1,143 @@
+"""KVCacheBlock: one block of KV memory and its place in the reuse tree.
+
+Every block object is made once, when its window manager is built, and is indexed by id. A block
+carries three sets of links:
+
+* its *memory slot* (`memory_index`, `is_primary`), swapped with another block on offload/onboard;
+* its place in the reuse (radix) tree: `prev_block` (tree parent; None when not in the tree) and
+  `next_blocks` (children by chained hash);
+* intrusive free-queue links (`q_prev`, `q_next`, `q_level`, `q_priority`) owned by the eviction
+  policy, so that claiming a block from the middle of a queue is O(1) and allocates nothing.
+"""
+
+from __future__ import annotations
+
+from cache.hashing import BlockKey
+from cache.retention import DEFAULT_PRIORITY
+
+ROOT_BLOCK_ID = -1
+_EMPTY_KEY = BlockKey()
+
+
+class KVCacheBlock:
+    __slots__ = (
+        "block_id",
+        "cache_salt",
+        "duration_s",
+        "expiry_token",
+        "hash",
+        "is_full",
+        "is_primary",
+        "key",
+        "memory_index",
+        "next_blocks",
+        "prev_block",
+        "prev_block_in_seq",
+        "priority",
+        "q_level",
+        "q_next",
+        "q_prev",
+        "q_priority",
+        "ref_count",
+        "scheduling_ref_count",
+    )
+
+    def __init__(self, block_id: int, memory_index: int, is_primary: bool) -> None:
+        self.block_id = block_id
+        self.memory_index = memory_index
+        self.is_primary = is_primary
+        self.ref_count = 0
+        self.scheduling_ref_count = 0
+        self.key: BlockKey = _EMPTY_KEY
+        self.is_full = False
+        self.hash = 0
+        self.cache_salt: str | None = None
+        self.priority = DEFAULT_PRIORITY
+        self.duration_s: float | None = None
+        # Bumped whenever a pending expiry becomes stale (see LRUEvictionPolicy.refresh).
+        self.expiry_token = 0
+        self.prev_block: KVCacheBlock | None = None
+        self.prev_block_in_seq: KVCacheBlock | None = None
+        self.next_blocks: dict[int, KVCacheBlock] = {}
+        # Free-queue membership: q_level is -1 while the block is not queued.
+        self.q_prev: KVCacheBlock | None = None
+        self.q_next: KVCacheBlock | None = None
+        self.q_level = -1
+        self.q_priority = DEFAULT_PRIORITY
+
+    # The seed's accessors, where a name says more than the attribute.
+    @property
+    def has_refs(self) -> bool:
+        return self.ref_count > 0
+
+    @property
+    def is_leaf(self) -> bool:
+        return not self.next_blocks
+
+    @property
+    def is_shared(self) -> bool:
+        """Ready for reuse or held by several sequences (KVCacheBlock::isShared)."""
+        return self.ref_count > 1 or self.prev_block is not None
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        return self.key.tokens
+
+    @property
+    def in_radix_tree(self) -> bool:
+        """blockInRadixTree: holds tokens and hangs below a parent."""
+        return bool(self.key.tokens) and self.prev_block is not None
+
+    def set_block_key(self, key: BlockKey, is_full: bool) -> None:
+        self.key = key
+        self.is_full = is_full
+
+    def swap_memory_pool_block_offset(self, other: KVCacheBlock) -> None:
+        self.memory_index, other.memory_index = other.memory_index, self.memory_index
+        self.is_primary, other.is_primary = other.is_primary, self.is_primary
+
+    def dec_ref_count(self) -> None:
+        if self.ref_count <= 0:
+            raise RuntimeError(f"can't remove a reference from block {self.block_id}: it has none")
+        self.ref_count -= 1
+
+    def find_matching_block(
+        self, key: BlockKey, key_hash: int, partial_reuse: bool, copy_on_partial_reuse: bool
+    ) -> tuple[bool, int, KVCacheBlock | None]:
+        """KVCacheBlock::findMatchingBlock -> (partial?, tokens matched, block).
+
+        Children are indexed by their chained hash; `key_hash` is the hash `key` gets below this
+        block, and a hit is confirmed by comparing keys, so a hash collision is a miss.
+        """
+        if not key.tokens or not self.next_blocks:
+            return False, 0, None
+        block = self.next_blocks.get(key_hash)
+        if block is not None and block.key == key:
+            return not block.is_full, len(key.tokens), block
+        if partial_reuse:
+            best_matched = 0
+            best: KVCacheBlock | None = None
+            for child in self.next_blocks.values():
+                if copy_on_partial_reuse or (child.ref_count == 0 and not child.next_blocks):
+                    matched = child.key.partial_match(key)
+                    if matched > best_matched:
+                        best_matched, best = matched, child
+            if best is not None:
+                return True, best_matched, best
+        return False, 0, None
+
+    def free_leaf_block(self) -> None:
+        """Detach this leaf from its tree parent."""
+        if self.next_blocks:
+            raise RuntimeError(f"block {self.block_id} is not a leaf")
+        parent = self.prev_block
+        if parent is not None:
+            if parent.next_blocks.get(self.hash) is self:
+                del parent.next_blocks[self.hash]
+            self.prev_block = None
+
+    def __repr__(self) -> str:
+        return (
+            f"KVCacheBlock(id={self.block_id}, ref={self.ref_count}, "
+            f"{'P' if self.is_primary else 'S'}{self.memory_index}, tokens={len(self.key.tokens)})"
+        )

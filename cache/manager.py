@@ -1,0 +1,546 @@
+"""KVCacheManager: the per-worker KV cache manager (the seed's KVCacheManager + BlockManager).
+
+Owns one WindowBlockManager per distinct attention window size, the live sequences, the event
+buffer and the statistics. Synchronous and single-writer: the worker calls it from one task.
+
+Failure leaves no trace: every operation checks what it needs (request ids, free blocks) before
+it changes anything, so a refused call changes neither blocks, tree, statistics nor events.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from cache.errors import DuplicateRequestError, OutOfBlocksError, UnknownRequestError
+from cache.events import KVCacheEvent, KVCacheEventManager
+from cache.hashing import BlockKey
+from cache.request import INT_MAX, GenerationRequest, LlmRequest, RequestState
+from cache.transfer import NoOpTransferEngine, TransferEngine
+from cache.window import WindowBlockManager
+
+
+class CacheType(Enum):
+    SELF = "self"
+    CROSS = "cross"
+    SELFKONLY = "selfkonly"
+
+    @property
+    def kv_factor(self) -> int:
+        return 1 if self is CacheType.SELFKONLY else 2
+
+
+@dataclass(slots=True)
+class KvCacheStats:
+    max_num_blocks: int
+    free_num_blocks: int
+    used_num_blocks: int
+    tokens_per_block: int
+    alloc_total_blocks: int
+    alloc_new_blocks: int
+    reused_blocks: int
+    missed_blocks: int
+    cache_hit_rate: float
+    num_free_blocks_per_window_size: dict[int, int] = field(default_factory=dict)
+    allocated_bytes: int = 0
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def group_layers_by_window_size(
+    max_attention_window: Sequence[int], num_layers: int
+) -> dict[int, list[int]]:
+    """groupLayersByWindowSize: windows cycle over the layers; sorted by window size."""
+    groups: dict[int, list[int]] = {}
+    for layer in range(num_layers):
+        groups.setdefault(max_attention_window[layer % len(max_attention_window)], []).append(layer)
+    return dict(sorted(groups.items()))
+
+
+class KVCacheManager:
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int | Sequence[int],
+        head_dim: int,
+        tokens_per_block: int,
+        blocks_per_window: Mapping[int, tuple[int, int]],
+        max_num_sequences: int = 64,
+        max_beam_width: int = 1,
+        max_attention_window: Sequence[int] | None = None,
+        max_sequence_length: int | None = None,
+        dtype: Any = None,
+        device: str = "cpu",
+        enable_block_reuse: bool = True,
+        enable_partial_reuse: bool = True,
+        copy_on_partial_reuse: bool = True,
+        onboard_blocks: bool = True,
+        secondary_offload_min_priority: int | None = None,
+        event_buffer_max_size: int = 0,
+        allocate_pools: bool = True,
+        cache_type: CacheType = CacheType.SELF,
+        clock: Callable[[], float] | None = None,
+        transfer_engine: TransferEngine | None = None,
+        sink_token_length: int = 0,
+    ) -> None:
+        if tokens_per_block <= 0:
+            raise ValueError(f"tokens_per_block must be positive, got {tokens_per_block}")
+        if num_layers <= 0:
+            raise ValueError(f"num_layers must be positive, got {num_layers}")
+        heads = [num_kv_heads] * num_layers if isinstance(num_kv_heads, int) else list(num_kv_heads)
+        if len(heads) != num_layers:
+            raise ValueError(f"num_kv_heads lists {len(heads)} layers, num_layers is {num_layers}")
+        if sink_token_length % tokens_per_block:
+            raise ValueError("streamLLM sink tokens are not supported")
+        if max_sequence_length is None:
+            if max_attention_window is None:
+                raise ValueError("give max_sequence_length or max_attention_window")
+            max_sequence_length = max(max_attention_window)
+        if max_attention_window is None:
+            max_attention_window = [max_sequence_length]
+        self.num_layers = num_layers
+        self.num_kv_heads_per_layer = heads
+        self.head_dim = head_dim
+        self.tokens_per_block = tokens_per_block
+        self.max_num_sequences = max_num_sequences
+        self.max_beam_width = max_beam_width
+        self.max_sequence_length = max_sequence_length
+        self.max_attention_window = max(max_attention_window)
+        self.cache_type = cache_type
+        self.enable_block_reuse = enable_block_reuse
+        self.device = device
+        self.dtype = dtype
+        self.events = (
+            KVCacheEventManager(event_buffer_max_size) if event_buffer_max_size > 0 else None
+        )
+        self.clock = clock or time.monotonic
+        self.window_to_layers = group_layers_by_window_size(max_attention_window, num_layers)
+        self.windows: dict[int, WindowBlockManager] = {}
+        self.max_token_num: dict[int, int] = {}
+        self.pools: dict[int, list[Any]] = {}
+        self.allocated_bytes = 0
+        for window, layers in self.window_to_layers.items():
+            if window not in blocks_per_window:
+                raise ValueError(f"blocks_per_window has no entry for window size {window}")
+            primary, secondary = blocks_per_window[window]
+            if window > max_sequence_length:
+                warnings.warn(
+                    f"window size {window} is greater than max sequence length "
+                    f"{max_sequence_length}",
+                    stacklevel=2,
+                )
+            engine = transfer_engine
+            if allocate_pools:
+                engine = self._allocate_pools(window, layers, primary, secondary)
+            self.windows[window] = WindowBlockManager(
+                window,
+                tokens_per_block,
+                primary,
+                secondary,
+                is_swa=window < max_sequence_length,
+                onboard_blocks=onboard_blocks,
+                secondary_offload_min_priority=secondary_offload_min_priority,
+                event_manager=self.events,
+                enable_partial_reuse=enable_partial_reuse,
+                copy_on_partial_reuse=copy_on_partial_reuse,
+                transfer=engine or NoOpTransferEngine(),
+                clock=self.clock,
+            )
+            self.max_token_num[window] = max(window, max_sequence_length)
+        self.sequences: dict[int, GenerationRequest] = {}
+
+    def _allocate_pools(
+        self, window: int, layers: Sequence[int], primary: int, secondary: int
+    ) -> TransferEngine:
+        import torch
+
+        from cache import pools as pools_mod
+
+        groups, _ = pools_mod.group_pools(layers, self.num_kv_heads_per_layer)
+        pools = [
+            pools_mod.KVCachePool(
+                n, self.cache_type.kv_factor, heads, self.head_dim, self.tokens_per_block
+            )
+            for heads, n in groups
+        ]
+        dtype = self.dtype if self.dtype is not None else torch.float16
+        pools_mod.allocate(pools, primary, secondary, dtype, torch.device(self.device))
+        self.pools[window] = pools
+        for pool in pools:
+            assert pool.primary is not None
+            self.allocated_bytes += pool.primary.numel() * pool.primary.element_size()
+        return pools_mod.TorchTransferEngine(pools)
+
+    # -- helpers ---------------------------------------------------------------------------------
+
+    @property
+    def is_cross_kv(self) -> bool:
+        return self.cache_type is CacheType.CROSS
+
+    @property
+    def is_variable_window(self) -> bool:
+        return len(self.windows) > 1
+
+    def _sequence(self, request_id: int) -> GenerationRequest:
+        try:
+            return self.sequences[request_id]
+        except KeyError:
+            raise UnknownRequestError(f"no live sequence with request id {request_id}") from None
+
+    def _window(self, window_size: int | None) -> WindowBlockManager:
+        if window_size is None:
+            return next(iter(self.windows.values()))
+        try:
+            return self.windows[window_size]
+        except KeyError:
+            raise ValueError(
+                f"unknown window size {window_size}; windows are {list(self.windows)}"
+            ) from None
+
+    # -- sequences ---------------------------------------------------------------------------------
+
+    def add_sequence(self, request: LlmRequest) -> int:
+        """Allocate a sequence's context blocks, reusing cached prefixes; returns tokens reused."""
+        rid = request.request_id
+        if rid in self.sequences:
+            raise DuplicateRequestError(f"request id {rid} is already live")
+        if request.beam_width > self.max_beam_width:
+            raise ValueError(
+                f"request {rid}: beam width {request.beam_width} exceeds {self.max_beam_width}"
+            )
+        encoder = self.is_cross_kv
+        if encoder and request.encoder_tokens is None:
+            raise ValueError(f"request {rid}: a cross-attention cache needs encoder tokens")
+        input_length = request.encoder_output_len if encoder else request.num_tokens
+        if input_length <= 0:
+            raise ValueError(f"request {rid} has no tokens")
+        reuse = self.enable_block_reuse and not request.is_dummy
+        sequence = GenerationRequest(
+            rid, input_length, request.beam_width, list(self.windows), request.retention
+        )
+        tpb = self.tokens_per_block
+
+        # Plan every window before touching any: refuse here, not half way.
+        plans: list[tuple[WindowBlockManager, int, int, list[BlockKey], list[int]]] = []
+        cap = INT_MAX
+        onboarded_before = False
+        key_cache: dict[int, tuple[list[BlockKey], list[int]]] = {}
+        for window, wm in self.windows.items():
+            effective = min(input_length, self.max_token_num[window])
+            num_context_blocks = _ceil_div(effective, tpb)
+            share_last = encoder or effective % tpb == 0
+            keys: list[BlockKey] = []
+            hashes: list[int] = []
+            if reuse:
+                if effective not in key_cache:
+                    key_cache[effective] = wm.context_keys(request, effective, encoder)
+                keys, hashes = key_cache[effective]
+            need, matched, onboarded = wm.count_blocks_needed(
+                keys, hashes, sequence, num_context_blocks, cap, reuse, share_last
+            )
+            if reuse and onboarded_before:
+                # An earlier window may match less than planned: bound every position.
+                beam = request.beam_width
+                shared = num_context_blocks - 1 if beam > 1 else num_context_blocks
+                need = shared + (num_context_blocks - shared) * beam
+            free = wm.get_num_free_blocks()
+            if need > free:
+                raise OutOfBlocksError(
+                    f"request {rid} needs {need} blocks in window {window}, {free} free"
+                )
+            cap = min(cap, matched) if reuse else cap
+            onboarded_before = onboarded_before or onboarded
+            plans.append((wm, effective, num_context_blocks, keys, hashes))
+
+        before = self._counters()
+        for wm in self.windows.values():
+            wm.valid_store_for_reuse[rid] = True
+        self.sequences[rid] = sequence
+        for wm, effective, num_context_blocks, keys, hashes in plans:
+            if reuse:
+                prepopulated = wm.add_sequence(
+                    sequence, effective, num_context_blocks, keys, hashes
+                )
+                request.set_prepopulated_prompt_len(prepopulated)
+            else:
+                if request.retention is not None and self.enable_block_reuse is False:
+                    warnings.warn(
+                        f"request {rid} has a retention config but block reuse is disabled",
+                        stacklevel=2,
+                    )
+                wm.add_sequence_without_reuse(
+                    sequence, num_context_blocks, encoder or effective % tpb == 0
+                )
+        after = self._counters()
+        request.alloc_total_blocks += after[0] - before[0]
+        request.alloc_new_blocks += after[1] - before[1]
+        request.reused_blocks += after[2] - before[2]
+        request.missed_blocks += after[3] - before[3]
+        return request.prepopulated_prompt_len
+
+    def _counters(self) -> tuple[int, int, int, int]:
+        ws = self.windows.values()
+        return (
+            sum(w.alloc_total_blocks for w in ws),
+            sum(w.alloc_new_blocks for w in ws),
+            sum(w.reused_blocks for w in ws),
+            sum(w.missed_blocks for w in ws),
+        )
+
+    def add_token(self, request_id: int) -> None:
+        """Grow the sequence by one token, allocating a block at a block boundary."""
+        sequence = self._sequence(request_id)
+        for window, wm in self.windows.items():
+            need = wm.blocks_needed_for_next_token(sequence)
+            if need > wm.get_num_free_blocks():
+                raise OutOfBlocksError(
+                    f"request {request_id} needs {need} new block(s) in window {window}, "
+                    f"{wm.get_num_free_blocks()} free"
+                )
+        sequence.num_tokens += 1
+        for wm in self.windows.values():
+            wm.adjust_blocks_if_needed(sequence)
+
+    def remove_token(self, request_id: int) -> None:
+        sequence = self._sequence(request_id)
+        if sequence.num_tokens == 0:
+            return
+        if sequence.beam_width != 1:
+            raise ValueError("remove_token does not support beam width > 1")
+        sequence.num_tokens -= 1
+        for window, wm in self.windows.items():
+            if (sequence.num_tokens % window) % self.tokens_per_block == 0:
+                wm.release_last_block(sequence)
+
+    def rewind_kv_cache(self, request_id: int, rewind_length: int) -> None:
+        """Speculative-decoding rollback: remove `rewind_length` tokens."""
+        self._sequence(request_id)
+        for _ in range(rewind_length):
+            self.remove_token(request_id)
+
+    def remove_sequence(
+        self, request_id: int, request: LlmRequest | None = None, pin_blocks: bool = False
+    ) -> list[int]:
+        """Release a sequence, storing its blocks for reuse first when reuse is on and the
+        request is given. With `pin_blocks`, the stored chain stays pinned; its ids are returned
+        (unpin them with `unpin_blocks_by_id`)."""
+        sequence = self._sequence(request_id)
+        del self.sequences[request_id]
+        store = (
+            request is not None
+            and self.enable_block_reuse
+            and not request.is_dummy
+            and sequence.beam_width == 1
+            and all(
+                wm.is_sequence_valid_for_store_for_reuse(request_id) for wm in self.windows.values()
+            )
+        )
+        pinned: list[int] = []
+        for wm in self.windows.values():
+            pinned = wm.release_blocks(sequence, request if store else None, pin_blocks)
+            wm.valid_store_for_reuse.pop(request_id, None)
+        return pinned
+
+    def store_context_blocks(self, request: LlmRequest) -> None:
+        sequence = self.sequences.get(request.request_id)
+        if sequence is None:
+            warnings.warn(
+                f"store_context_blocks: no sequence for request {request.request_id}",
+                stacklevel=2,
+            )
+            return
+        if self.enable_block_reuse and not request.is_dummy:
+            for wm in self.windows.values():
+                if not wm.is_swa:  # an SWA block stored now could go out of window
+                    wm.store_context_blocks(sequence, request)
+
+    def store_new_block(self, request: LlmRequest) -> None:
+        sequence = self._sequence(request.request_id)
+        if sequence.beam_width > 1 or not self.enable_block_reuse:
+            return
+        for wm in self.windows.values():
+            if not wm.is_swa:
+                wm.store_new_block(sequence, request)
+
+    def store_blocks_for_reuse(
+        self, request_id: int, request: LlmRequest, pin_blocks: bool = False
+    ) -> list[int]:
+        sequence = self._sequence(request_id)
+        pinned: list[int] = []
+        for wm in self.windows.values():
+            pinned = wm.store_blocks_for_reuse(sequence, request, pin_blocks)
+        return pinned
+
+    def pin_blocks(self, request_id: int) -> None:
+        sequence = self._sequence(request_id)
+        for wm in self.windows.values():
+            wm.pin_blocks(sequence)
+
+    def unpin_blocks_by_id(self, block_ids: Sequence[int]) -> None:
+        if block_ids:
+            self._window(None).unpin_blocks_by_id(block_ids)
+
+    def get_last_block_id(self, request_id: int) -> int | None:
+        ids = self._sequence(request_id).cache_block_ids[next(iter(self.windows))]
+        return ids[0][-1] if ids and ids[0] else None
+
+    def get_cache_block_ids(
+        self, request_id: int, window_size: int | None = None
+    ) -> list[list[int]]:
+        window = self._window(window_size).window_size
+        return [list(ids) for ids in self._sequence(request_id).cache_block_ids[window]]
+
+    def get_num_tokens(self, request_id: int) -> int:
+        return self._sequence(request_id).num_tokens
+
+    # -- scheduling ------------------------------------------------------------------------------
+
+    def start_scheduling(self) -> None:
+        for wm in self.windows.values():
+            wm.start_scheduling()
+
+    def scheduling_remove_sequence(self, request_id: int) -> None:
+        self._sequence(request_id)
+        for wm in self.windows.values():
+            wm.scheduling_release_blocks(request_id)
+
+    def get_scheduling_num_free_blocks(self, window_size: int | None = None) -> int:
+        return self._window(window_size).scheduling_num_free_blocks
+
+    def get_needed_blocks_one_step(
+        self,
+        request: LlmRequest,
+        two_steps_look_ahead: bool = False,
+        window_size: int | None = None,
+    ) -> int:
+        window = self._window(window_size).window_size
+        tpb = self.tokens_per_block
+        if (
+            request.state is RequestState.CONTEXT_INIT and request.is_first_context_chunk
+        ) or request.state is RequestState.DISAGG_GENERATION_INIT:
+            chunk = request.max_new_tokens
+            prompt = request.encoder_output_len if self.is_cross_kv else request.prompt_len
+            prompt_cache_len = min(prompt + request.num_draft_tokens, window + chunk)
+            shared = prompt_cache_len // tpb
+            unshared = _ceil_div(prompt_cache_len % tpb, tpb) * request.beam_width
+            return shared + unshared
+        if request.state is RequestState.GENERATION_IN_PROGRESS:
+            if self.is_cross_kv:
+                return 0
+            current = self._sequence(request.request_id).num_tokens
+            generated = current - request.prompt_len
+            max_to_add = request.max_new_tokens - generated
+            per_step = request.num_draft_tokens + 1
+            to_add = min((2 if two_steps_look_ahead else 1) * per_step, max_to_add)
+            following = current + to_add
+            if following > self.max_token_num[window]:
+                return 0
+            return (_ceil_div(following, tpb) - _ceil_div(current, tpb)) * request.beam_width
+        return 0
+
+    def get_remaining_blocks_to_completion(
+        self, request: LlmRequest, window_size: int | None = None
+    ) -> int:
+        window = self._window(window_size).window_size
+        tpb = self.tokens_per_block
+        beam = request.beam_width
+        if self.is_cross_kv:
+            if request.state is RequestState.CONTEXT_INIT and request.context_current_position == 0:
+                return _ceil_div(request.encoder_output_len, tpb)
+            return 0
+        num_context = min(request.prompt_len, window) // tpb
+        total_per_beam = _ceil_div(min(request.prompt_len + request.max_new_tokens, window), tpb)
+        gen_per_beam = total_per_beam - num_context
+        sequence = self.sequences.get(request.request_id)
+        allocated = len(sequence.cache_block_ids[window][0]) if sequence else 0
+        sliding = request.prompt_len + request.max_new_tokens > window
+        current_blocks = _ceil_div(request.num_tokens, tpb)
+        max_blocks = _ceil_div(request.prompt_len + request.max_new_tokens, tpb)
+        extra = 1 if sliding and max_blocks > current_blocks and max_blocks > total_per_beam else 0
+        if allocated < num_context:
+            return num_context - allocated + (gen_per_beam + extra) * beam
+        return (total_per_beam - allocated + extra) * beam
+
+    # -- reuse tree --------------------------------------------------------------------------------
+
+    def find_new_context_block(self, tokens: Sequence[int], request: LlmRequest) -> BlockKey | None:
+        if self.is_variable_window:
+            raise ValueError("find_new_context_block does not work with variable window attention")
+        return self._window(None).find_new_context_block(request, tokens)
+
+    def find_blocks_in_reuse_tree_by_block_key(
+        self, key: BlockKey, window_size: int | None = None
+    ) -> Any:
+        return self._window(window_size).find_blocks_in_reuse_tree_by_block_key(key)
+
+    def refresh_blocks(self) -> None:
+        for wm in self.windows.values():
+            wm.policy.refresh()
+            wm.transfer.sync()
+
+    def verify_queue_integrity(self, window_size: int | None = None) -> bool:
+        if window_size is not None:
+            return self._window(window_size).policy.verify_queue_integrity()
+        return all(wm.policy.verify_queue_integrity() for wm in self.windows.values())
+
+    def reset_reuse_state(self) -> None:
+        for wm in self.windows.values():
+            wm.reset_reuse_state()
+
+    def get_priority_by_block_id(self, block_id: int, window_size: int | None = None) -> int:
+        return self._window(window_size).block(block_id).priority
+
+    # -- counts and statistics ---------------------------------------------------------------------
+
+    def get_num_free_blocks(self) -> int:
+        return sum(wm.get_num_free_blocks() for wm in self.windows.values())
+
+    def get_max_num_blocks(self) -> int:
+        return sum(wm.num_primary_blocks for wm in self.windows.values())
+
+    def get_num_allocated_blocks(self) -> int:
+        return self.get_max_num_blocks() - self.get_num_free_blocks()
+
+    def get_kv_cache_stats(self) -> KvCacheStats:
+        total, new, reused, missed = self._counters()
+        free = self.get_num_free_blocks()
+        maximum = self.get_max_num_blocks()
+        return KvCacheStats(
+            max_num_blocks=maximum,
+            free_num_blocks=free,
+            used_num_blocks=maximum - free,
+            tokens_per_block=self.tokens_per_block,
+            alloc_total_blocks=total,
+            alloc_new_blocks=new,
+            reused_blocks=reused,
+            missed_blocks=missed,
+            cache_hit_rate=reused / (reused + missed) if reused else 0.0,
+            num_free_blocks_per_window_size={
+                w: wm.get_num_free_blocks() for w, wm in self.windows.items()
+            },
+            allocated_bytes=self.allocated_bytes,
+        )
+
+    # -- events ------------------------------------------------------------------------------------
+
+    def flush_iteration_events(self) -> None:
+        if self.events is not None:
+            self.events.flush()
+
+    def get_latest_events(self, timeout: float | None = None) -> list[KVCacheEvent]:
+        return self.events.get_events(timeout) if self.events is not None else []
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """Flush this iteration's events and drain them all (the publisher's call)."""
+        self.flush_iteration_events()
+        return self.get_latest_events()
+
+    @property
+    def num_dropped_events(self) -> int:
+        return self.events.num_dropped if self.events is not None else 0

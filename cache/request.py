@@ -1,0 +1,251 @@
+"""Requests as the block manager sees them.
+
+`LlmRequest` keeps what the manager reads from TensorRT-LLM's LlmRequest (tokens, beam width,
+LoRA id, cache salt, multimodal items, retention) plus the per-request statistics it writes. It
+caches the chained hashes of its full blocks, so a prompt is hashed once however often it is
+matched and stored. `GenerationRequest` is the manager's own per-sequence state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from enum import Enum
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from cache.hashing import (
+    BlockKey,
+    ExtraKey,
+    MultimodalItem,
+    as_token_array,
+    block_extra_keys,
+    block_key_hash,
+    hash_token_blocks,
+    multimodal_arrays,
+)
+from cache.retention import DEFAULT_RETENTION, RetentionConfig
+
+INT_MAX = 2**31 - 1
+
+
+class RequestState(Enum):
+    CONTEXT_INIT = "context_init"
+    DISAGG_GENERATION_INIT = "disagg_generation_init"
+    GENERATION_IN_PROGRESS = "generation_in_progress"
+    GENERATION_COMPLETE = "generation_complete"
+
+
+class LlmRequest:
+    def __init__(
+        self,
+        request_id: int,
+        tokens: Sequence[int] | npt.NDArray[Any],
+        beam_width: int = 1,
+        max_new_tokens: int = 0,
+        extra_ids: Sequence[int] | None = None,
+        lora_task_id: int | None = None,
+        cache_salt_id: int | None = None,
+        multimodal: Sequence[MultimodalItem] = (),
+        retention: RetentionConfig | None = None,
+        state: RequestState = RequestState.CONTEXT_INIT,
+        num_draft_tokens: int = 0,
+        cache_salt: str | None = None,
+        encoder_tokens: Sequence[int] | None = None,
+        is_dummy: bool = False,
+    ) -> None:
+        if beam_width < 1:
+            raise ValueError(f"beam_width must be >= 1, got {beam_width}")
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        self.request_id = request_id
+        self.tokens: list[int] = (
+            [int(t) for t in tokens] if not isinstance(tokens, list) else tokens
+        )
+        if extra_ids is not None and len(extra_ids) != len(self.tokens):
+            raise ValueError(
+                f"request {request_id}: extra_ids has {len(extra_ids)} entries "
+                f"for {len(self.tokens)} tokens"
+            )
+        self.extra_ids: list[int] | None = list(extra_ids) if extra_ids is not None else None
+        self.prompt_len = len(self.tokens)
+        self.max_new_tokens = max_new_tokens
+        self.beam_width = beam_width
+        self.lora_task_id = lora_task_id
+        self.cache_salt_id = cache_salt_id
+        self.cache_salt = cache_salt
+        self.multimodal: tuple[MultimodalItem, ...] = tuple(multimodal)
+        self.retention = retention
+        self.state = state
+        self.num_draft_tokens = num_draft_tokens
+        self.encoder_tokens: list[int] | None = (
+            list(encoder_tokens) if encoder_tokens is not None else None
+        )
+        self.is_dummy = is_dummy
+        self.is_first_context_chunk = True
+        self.prepopulated_prompt_len = 0
+        self.context_current_position = 0
+        self.alloc_total_blocks = 0
+        self.alloc_new_blocks = 0
+        self.reused_blocks = 0
+        self.missed_blocks = 0
+        # Chained hashes of full blocks, per tokens_per_block (and source of tokens).
+        self._hash_cache: dict[tuple[int, bool], list[int]] = {}
+        self._mm_arrays: Any = None
+
+    @property
+    def uses_extra_ids(self) -> bool:
+        return self.extra_ids is not None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def encoder_output_len(self) -> int:
+        return len(self.encoder_tokens) if self.encoder_tokens is not None else 0
+
+    def add_new_token(self, token: int) -> None:
+        """Append a generated token (extra id 0 when the request uses extra ids)."""
+        self.tokens.append(int(token))
+        if self.extra_ids is not None:
+            self.extra_ids.append(0)
+
+    def set_prepopulated_prompt_len(self, length: int) -> None:
+        self.prepopulated_prompt_len = length
+        self.context_current_position = length
+
+    # -- block keys and hashes -----------------------------------------------------------------
+
+    def _source(self, encoder: bool) -> tuple[list[int], list[int] | None]:
+        if encoder:
+            assert self.encoder_tokens is not None
+            return self.encoder_tokens, None
+        return self.tokens, self.extra_ids
+
+    def block_keys(
+        self, tokens_per_block: int, usable: int, allow_partial: bool, encoder: bool = False
+    ) -> list[BlockKey]:
+        """chopVectorIntoBlocks + buildBlockKeys over the first `usable` tokens."""
+        tokens, extra = self._source(encoder)
+        usable = max(0, min(usable, len(tokens)))
+        end = usable if allow_partial else usable - usable % tokens_per_block
+        uses_extra = self.extra_ids is not None and not encoder
+        lora, salt = self.lora_task_id, self.cache_salt_id
+        mm = self.multimodal
+        keys = []
+        make = BlockKey._make
+        no_extra: tuple[ExtraKey, ...] = ()
+        for start in range(0, end, tokens_per_block):
+            stop = min(start + tokens_per_block, end)
+            ext = None
+            if extra is not None:
+                ext_t = tuple(extra[start:stop])
+                ext = ext_t if any(ext_t) else None
+            keys.append(
+                make(
+                    tuple(tokens[start:stop]),
+                    ext,
+                    uses_extra,
+                    lora,
+                    block_extra_keys(mm, start, stop) if mm else no_extra,
+                    salt,
+                )
+            )
+        return keys
+
+    def empty_key(self, start: int) -> BlockKey:
+        """The key of the block after the last full one when only one token lies past it."""
+        return BlockKey._make(
+            (),
+            None,
+            self.extra_ids is not None,
+            self.lora_task_id,
+            block_extra_keys(self.multimodal, start, start) if self.multimodal else (),
+            self.cache_salt_id,
+        )
+
+    def block_hashes(
+        self, tokens_per_block: int, usable: int, allow_partial: bool, encoder: bool = False
+    ) -> list[int]:
+        """Chained hashes of the keys `block_keys` returns, full blocks cached on the request."""
+        tokens, extra = self._source(encoder)
+        usable = max(0, min(usable, len(tokens)))
+        num_full = usable // tokens_per_block
+        cache = self._hash_cache.setdefault((tokens_per_block, encoder), [])
+        if len(cache) < num_full:
+            done = len(cache)
+            start = done * tokens_per_block
+            stop = num_full * tokens_per_block
+            new = hash_token_blocks(
+                as_token_array(tokens[start:stop]),
+                tokens_per_block,
+                num_full - done,
+                parent_hash=cache[-1] if cache else 0,
+                token_offset=start,
+                extra_ids=(
+                    np.asarray(extra[start:stop], dtype=np.uint64)
+                    if extra is not None and not encoder
+                    else None
+                ),
+                lora_task_id=self.lora_task_id,
+                cache_salt_id=self.cache_salt_id,
+                mm=self._multimodal_arrays() if self.multimodal else None,
+            )
+            cache.extend(new.tolist())
+        hashes = cache[:num_full]
+        if allow_partial and usable % tokens_per_block:
+            tail = self.block_keys(tokens_per_block, usable, True, encoder)[-1]
+            hashes.append(block_key_hash(tail, hashes[-1] if hashes else 0))
+        return hashes
+
+    def _multimodal_arrays(self) -> Any:
+        if self._mm_arrays is None:
+            self._mm_arrays = multimodal_arrays(self.multimodal)
+        return self._mm_arrays
+
+    def __repr__(self) -> str:
+        return (
+            f"LlmRequest(id={self.request_id}, tokens={len(self.tokens)}, beam={self.beam_width})"
+        )
+
+
+class GenerationRequest:
+    """The manager's per-sequence state (TensorRT-LLM's GenerationRequest)."""
+
+    __slots__ = (
+        "beam_width",
+        "cache_block_ids",
+        "current_prepopulated_prompt_len",
+        "num_front_blocks_removed",
+        "num_tokens",
+        "request_id",
+        "retention",
+    )
+
+    def __init__(
+        self,
+        request_id: int,
+        num_tokens: int,
+        beam_width: int,
+        window_sizes: Sequence[int],
+        retention: RetentionConfig | None,
+    ) -> None:
+        self.request_id = request_id
+        self.num_tokens = num_tokens
+        self.beam_width = beam_width
+        self.retention = retention or DEFAULT_RETENTION
+        self.cache_block_ids: dict[int, list[list[int]]] = {
+            w: [[] for _ in range(beam_width)] for w in window_sizes
+        }
+        self.num_front_blocks_removed: dict[int, int] = dict.fromkeys(window_sizes, 0)
+        self.current_prepopulated_prompt_len = INT_MAX
+
+    @property
+    def decode_retention_priority(self) -> int:
+        return self.retention.decode_priority
+
+    @property
+    def decode_duration_s(self) -> float | None:
+        return self.retention.decode_duration_s

@@ -1,0 +1,704 @@
+"""WindowBlockManager: the blocks, reuse tree and eviction policy of one attention window size.
+
+A line-by-line port of the seed's WindowBlockManager. The reuse (radix) tree hangs below a root
+block; a block's children are indexed by their chained hash (a hit is confirmed by comparing
+keys), so matching a request costs one dict lookup per block: requests hash their blocks once,
+with the compiled hasher, and hand the hashes in alongside the keys.
+
+Where the seed throws half way through an allocation, `count_blocks_needed` is asked first, so a
+request that cannot get its blocks is refused before anything changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from cache.block import ROOT_BLOCK_ID, KVCacheBlock
+from cache.errors import OutOfBlocksError, UnknownBlockError
+from cache.events import EventDiff, KVCacheEventManager, UpdatedData
+from cache.eviction import PRIMARY_LEVEL, SECONDARY_LEVEL, LRUEvictionPolicy
+from cache.hashing import BlockKey, block_key_hash
+from cache.request import GenerationRequest, LlmRequest
+from cache.retention import DEFAULT_PRIORITY
+from cache.transfer import Slot, TransferEngine
+
+Retention = tuple[int | None, float | None]
+
+
+def _slot(block: KVCacheBlock) -> Slot:
+    return Slot(block.memory_index, block.is_primary)
+
+
+class WindowBlockManager:
+    def __init__(
+        self,
+        window_size: int,
+        tokens_per_block: int,
+        num_primary_blocks: int,
+        num_secondary_blocks: int,
+        *,
+        is_swa: bool,
+        onboard_blocks: bool,
+        secondary_offload_min_priority: int | None,
+        event_manager: KVCacheEventManager | None,
+        enable_partial_reuse: bool,
+        copy_on_partial_reuse: bool,
+        transfer: TransferEngine,
+        clock: object = None,
+    ) -> None:
+        if num_primary_blocks <= 0:
+            raise ValueError(f"window {window_size}: need at least one primary block")
+        if num_secondary_blocks < 0:
+            raise ValueError(f"window {window_size}: negative secondary block count")
+        self.window_size = window_size
+        self.tokens_per_block = tokens_per_block
+        self.num_primary_blocks = num_primary_blocks
+        self.num_secondary_blocks = num_secondary_blocks
+        self.is_swa = is_swa
+        self.onboard_blocks = onboard_blocks
+        self.enable_partial_reuse = enable_partial_reuse
+        self.copy_on_partial_reuse = copy_on_partial_reuse
+        self.transfer = transfer
+        self.events = event_manager
+        self.blocks: list[KVCacheBlock] = [
+            KVCacheBlock(i, i, True) for i in range(num_primary_blocks)
+        ] + [KVCacheBlock(num_primary_blocks + i, i, False) for i in range(num_secondary_blocks)]
+        self.root = KVCacheBlock(ROOT_BLOCK_ID, 0, True)
+        self.policy = LRUEvictionPolicy(
+            self.blocks,
+            secondary_offload_min_priority,
+            clock,  # type: ignore[arg-type]
+        )
+        self.allocated_blocks_per_seq: dict[int, list[KVCacheBlock]] = {}
+        self.block_to_sequence: dict[int, int] = {}
+        self.valid_store_for_reuse: dict[int, bool] = {}
+        self.scheduling_num_free_blocks = 0
+        self.alloc_total_blocks = 0
+        self.alloc_new_blocks = 0
+        self.reused_blocks = 0
+        self.missed_blocks = 0
+        self.reused_tokens = 0
+        self.total_input_tokens = 0
+        if event_manager is not None:
+            event_manager.enqueue_created([num_primary_blocks, num_secondary_blocks], window_size)
+
+    # -- counts ----------------------------------------------------------------------------------
+
+    def get_num_free_blocks(self) -> int:
+        return self.policy.get_num_free_blocks(PRIMARY_LEVEL)
+
+    def get_num_free_secondary_blocks(self) -> int:
+        return self.policy.get_num_free_blocks(SECONDARY_LEVEL)
+
+    def has_free_blocks(self, num_required: int = 1) -> bool:
+        return self.get_num_free_blocks() >= num_required
+
+    def block(self, block_id: int) -> KVCacheBlock:
+        if not 0 <= block_id < len(self.blocks):
+            raise UnknownBlockError(
+                f"block id {block_id} is out of range 0..{len(self.blocks) - 1} "
+                f"(window {self.window_size})"
+            )
+        return self.blocks[block_id]
+
+    # -- getting a block -------------------------------------------------------------------------
+
+    def _free_children(self, block: KVCacheBlock) -> None:
+        """Remove `block` and its whole subtree from the reuse tree, leaves first."""
+        events = self.events
+        if not block.next_blocks:
+            if events is not None and block.key.tokens and block.prev_block is not None:
+                events.enqueue_removed(block.hash, self.window_size)
+            block.free_leaf_block()
+            return
+        # Iterative post-order: chains can be thousands of blocks deep.
+        stack: list[tuple[KVCacheBlock, bool]] = [(block, False)]
+        while stack:
+            node, expanded = stack.pop()
+            if not expanded and node.next_blocks:
+                stack.append((node, True))
+                stack.extend((child, False) for child in reversed(list(node.next_blocks.values())))
+                continue
+            if events is not None and node.key.tokens and node.prev_block is not None:
+                events.enqueue_removed(node.hash, self.window_size)
+            node.free_leaf_block()
+
+    def get_free_block(
+        self, sequence_id: int, priority: int, duration_s: float | None
+    ) -> KVCacheBlock:
+        """getFreeBlock: the next victim, offloaded to the secondary level when it may be."""
+        policy = self.policy
+        block, can_offload = policy.get_free_block(PRIMARY_LEVEL)
+        has_content = bool(block.key.tokens)
+        if not has_content:
+            self.alloc_new_blocks += 1
+        self.alloc_total_blocks += 1
+        if (
+            has_content
+            and can_offload
+            and self.onboard_blocks
+            and policy.get_num_free_blocks(SECONDARY_LEVEL) > 0
+        ):
+            offload_block, _ = policy.get_free_block(SECONDARY_LEVEL)
+            self.transfer.copy(_slot(block), _slot(offload_block))
+            block.swap_memory_pool_block_offset(offload_block)
+            if self.events is not None and block.in_radix_tree:
+                self.events.enqueue_updated(
+                    UpdatedData(block.hash, cache_level=EventDiff(PRIMARY_LEVEL, SECONDARY_LEVEL)),
+                    self.window_size,
+                )
+            policy.claim_block(block)  # keeps its priority, loses its duration
+            policy.release_block(block)  # now into the secondary queue
+            block = offload_block
+        self._free_children(block)
+        policy.claim_block(block, priority, duration_s)
+        # A block taken from under a live sequence (rewound or out of window) makes that
+        # sequence's store-for-reuse invalid.
+        owner = self.block_to_sequence.get(block.block_id)
+        if owner is not None and owner != sequence_id and owner in self.valid_store_for_reuse:
+            self.valid_store_for_reuse[owner] = False
+        self.block_to_sequence[block.block_id] = sequence_id
+        return block
+
+    def onboard_block(self, sequence_id: int, offload_block: KVCacheBlock) -> None:
+        if self.onboard_blocks and not offload_block.is_primary:
+            block = self.get_free_block(sequence_id, DEFAULT_PRIORITY, None)
+            self.transfer.copy(_slot(offload_block), _slot(block))
+            offload_block.swap_memory_pool_block_offset(block)
+            if self.events is not None:
+                self.events.enqueue_updated(
+                    UpdatedData(
+                        offload_block.hash, cache_level=EventDiff(SECONDARY_LEVEL, PRIMARY_LEVEL)
+                    ),
+                    self.window_size,
+                )
+            self.policy.release_block(block)  # `block` now owns the secondary slot
+
+    def offload_block(self, block: KVCacheBlock) -> None:
+        """Move a primary block's contents to a free secondary slot (out-of-window blocks)."""
+        if self.onboard_blocks and block.is_primary:
+            offload, _ = self.policy.get_free_block(SECONDARY_LEVEL)
+            self.policy.claim_block(offload)
+            self.transfer.copy(_slot(block), _slot(offload))
+            block.swap_memory_pool_block_offset(offload)
+            if self.events is not None and block.in_radix_tree:
+                self.events.enqueue_updated(
+                    UpdatedData(block.hash, cache_level=EventDiff(PRIMARY_LEVEL, SECONDARY_LEVEL)),
+                    self.window_size,
+                )
+            self.policy.release_block(offload)
+
+    # -- sequences ---------------------------------------------------------------------------------
+
+    def add_block_to_beam(
+        self, block: KVCacheBlock, sequence: GenerationRequest, beam: int
+    ) -> None:
+        block.ref_count += 1
+        ids = sequence.cache_block_ids[self.window_size][beam]
+        block.prev_block_in_seq = self.blocks[ids[-1]] if ids else None
+        ids.append(block.block_id)
+        self.allocated_blocks_per_seq[sequence.request_id].append(block)
+
+    def add_block_to_all_beams(self, block: KVCacheBlock, sequence: GenerationRequest) -> None:
+        for beam in range(sequence.beam_width):
+            self.add_block_to_beam(block, sequence, beam)
+
+    def context_keys(
+        self, request: LlmRequest, input_length: int, encoder: bool = False
+    ) -> tuple[list[BlockKey], list[int]]:
+        """The keys (and chained hashes) addSequence matches: input_length - 1 tokens, partial
+        tail allowed, plus the empty key when exactly one token lies past the last full block."""
+        tpb = self.tokens_per_block
+        keys = request.block_keys(tpb, input_length - 1, True, encoder)
+        hashes = request.block_hashes(tpb, input_length - 1, True, encoder)
+        if input_length % tpb == 1:
+            empty = request.empty_key(len(keys) * tpb)
+            keys.append(empty)
+            hashes.append(block_key_hash(empty, hashes[-1] if hashes else 0))
+        return keys, hashes
+
+    def _walk(
+        self,
+        keys: Sequence[BlockKey],
+        hashes: Sequence[int],
+        num_shared: int,
+        cap: int,
+    ) -> tuple[int, int, bool]:
+        """Dry run of the matching walk: (primary blocks it will take, tokens matched, onboards?).
+
+        Without onboards the walk evicts nothing before it stops matching, so the count is exact.
+        An onboard may evict a block the walk would match next; from then on every position is
+        counted as needing a block, which bounds the real cost from above.
+        """
+        need = 0
+        matched_tokens = 0
+        onboarded = False
+        root: KVCacheBlock | None = self.root
+        num_keys = len(keys)
+        for bi in range(num_shared):
+            match: KVCacheBlock | None = None
+            partial, num_matched = False, 0
+            if root is not None and bi < num_keys:
+                partial, num_matched, match = root.find_matching_block(
+                    keys[bi], hashes[bi], self.enable_partial_reuse, self.copy_on_partial_reuse
+                )
+            if match is None or matched_tokens + num_matched > cap:
+                need += num_shared - bi
+                return need, matched_tokens, onboarded
+            matched_tokens += num_matched or len(keys[bi].tokens)
+            copies = partial and (match.ref_count > 0 or bool(match.next_blocks))
+            if copies:
+                need += 1
+            elif not match.is_primary:
+                if self.onboard_blocks:
+                    need += 1
+                    onboarded = True
+            elif match.ref_count == 0 or onboarded:
+                need += 1
+            root = None if partial else match
+        return need, matched_tokens, onboarded
+
+    def count_blocks_needed(
+        self,
+        keys: Sequence[BlockKey],
+        hashes: Sequence[int],
+        sequence: GenerationRequest,
+        num_context_blocks: int,
+        cap: int,
+        reuse: bool,
+        share_last: bool,
+    ) -> tuple[int, int, bool]:
+        """Primary blocks add_sequence will take from this window's free pool (an upper bound
+        that is exact unless blocks must be onboarded), tokens matched, and whether it onboards."""
+        beam = sequence.beam_width
+        if not reuse:
+            return num_context_blocks - 1 + (1 if share_last else beam), 0, False
+        num_shared = num_context_blocks - 1 if beam > 1 else num_context_blocks
+        need, matched, onboarded = self._walk(keys, hashes, num_shared, cap)
+        return need + (num_context_blocks - num_shared) * beam, matched, onboarded
+
+    def add_sequence(
+        self,
+        sequence: GenerationRequest,
+        input_length: int,
+        num_context_blocks: int,
+        keys: list[BlockKey],
+        hashes: list[int],
+    ) -> int:
+        """addSequence with reuse: match the tree, allocate the rest; returns tokens reused.
+
+        `keys`/`hashes` come from `context_keys`.
+        """
+        if sequence.request_id in self.allocated_blocks_per_seq:
+            raise RuntimeError(f"request {sequence.request_id} already holds blocks")
+        self.allocated_blocks_per_seq[sequence.request_id] = []
+        per_block = sequence.retention.per_block_retention(self.tokens_per_block, input_length)
+        prepopulated = self._load_or_allocate_blocks(
+            keys, hashes, num_context_blocks, sequence, per_block
+        )
+        self.reused_tokens += prepopulated
+        self.total_input_tokens += input_length
+        return prepopulated
+
+    def _load_or_allocate_blocks(
+        self,
+        keys: list[BlockKey],
+        hashes: list[int],
+        num_context_blocks: int,
+        sequence: GenerationRequest,
+        per_block: list[Retention],
+    ) -> int:
+        rid = sequence.request_id
+        tpb = self.tokens_per_block
+        policy = self.policy
+        events = self.events
+        num_matched_tokens = 0
+        search_root: KVCacheBlock | None = self.root
+        beam_width = sequence.beam_width
+        num_shared = num_context_blocks - 1 if beam_width > 1 else num_context_blocks
+        num_keys = len(keys)
+        ki = 0
+        for bi in range(num_shared):
+            priority, duration = per_block[bi]
+            match: KVCacheBlock | None = None
+            partial, num_matched = False, 0
+            if search_root is not None and ki < num_keys:
+                partial, num_matched, match = search_root.find_matching_block(
+                    keys[ki], hashes[ki], self.enable_partial_reuse, self.copy_on_partial_reuse
+                )
+            if match is not None and (
+                num_matched_tokens + num_matched <= sequence.current_prepopulated_prompt_len
+            ):
+                num_matched_tokens += num_matched or len(keys[ki].tokens)
+                if priority is not None and match.priority != priority and events is not None:
+                    events.enqueue_updated(
+                        UpdatedData(match.hash, priority=EventDiff(match.priority, priority)),
+                        self.window_size,
+                    )
+                if partial:
+                    if match.ref_count > 0 or match.next_blocks:
+                        # Someone uses it or it has children: copy the reusable tokens.
+                        new_block = self.get_free_block(rid, match.priority, match.duration_s)
+                        self.transfer.copy(_slot(match), _slot(new_block), num_matched)
+                        match = new_block
+                        match.set_block_key(keys[ki], len(keys[ki].tokens) == tpb)
+                        match.hash = hashes[ki]
+                    else:
+                        # An unreferenced leaf: take it over privately (no Removed event).
+                        match.free_leaf_block()
+                        policy.claim_block(match, priority, duration)
+                    search_root = None
+                else:
+                    policy.claim_block(match, priority, duration)
+                    search_root = match
+                self.onboard_block(rid, match)
+                self.add_block_to_all_beams(match, sequence)
+                self.reused_blocks += 1
+                ki += 1
+            else:
+                block = self.get_free_block(
+                    rid, DEFAULT_PRIORITY if priority is None else priority, duration
+                )
+                self.add_block_to_all_beams(block, sequence)
+                search_root = None
+                if ki < num_keys:
+                    block.set_block_key(keys[ki], len(keys[ki].tokens) == tpb)
+                    block.hash = hashes[ki]
+                    ki += 1
+                else:
+                    prev = block.prev_block_in_seq
+                    block.hash = block_key_hash(block.key, prev.hash if prev else 0)
+                self.missed_blocks += 1
+        # The last context block of a beam search is written by every beam: one per beam.
+        for bi in range(num_shared, num_context_blocks):
+            priority, duration = per_block[bi]
+            for beam in range(beam_width):
+                block = self.get_free_block(
+                    rid, DEFAULT_PRIORITY if priority is None else priority, duration
+                )
+                self.add_block_to_beam(block, sequence, beam)
+                if ki < num_keys:
+                    # The seed advances its key iterator once per beam here.
+                    block.set_block_key(keys[ki], len(keys[ki].tokens) == tpb)
+                    ki += 1
+                prev = block.prev_block_in_seq
+                block.hash = block_key_hash(block.key, prev.hash if prev else 0)
+            self.missed_blocks += 1
+            if ki < num_keys:
+                ki += 1
+        sequence.current_prepopulated_prompt_len = num_matched_tokens
+        return num_matched_tokens
+
+    def add_sequence_without_reuse(
+        self, sequence: GenerationRequest, num_context_blocks: int, share_last: bool
+    ) -> None:
+        if sequence.request_id in self.allocated_blocks_per_seq:
+            raise RuntimeError(f"request {sequence.request_id} already holds blocks")
+        if num_context_blocks <= 0:
+            raise ValueError("num_context_blocks must be greater than 0")
+        self.allocated_blocks_per_seq[sequence.request_id] = []
+        for _ in range(num_context_blocks - 1):
+            self.allocate_block(sequence, share_among_beams=True)
+        self.allocate_block(sequence, share_among_beams=share_last)
+
+    def allocate_block(self, sequence: GenerationRequest, share_among_beams: bool) -> None:
+        beam_width = sequence.beam_width
+        required = 1 if share_among_beams else beam_width
+        if not self.has_free_blocks(required):
+            raise OutOfBlocksError(
+                f"window {self.window_size}: request {sequence.request_id} needs {required} "
+                f"new block(s), {self.get_num_free_blocks()} free"
+            )
+        priority, duration = sequence.decode_retention_priority, sequence.decode_duration_s
+        if share_among_beams:
+            block = self.get_free_block(sequence.request_id, priority, duration)
+            for beam in range(beam_width):
+                self.add_block_to_beam(block, sequence, beam)
+        else:
+            for beam in range(beam_width):
+                block = self.get_free_block(sequence.request_id, priority, duration)
+                self.add_block_to_beam(block, sequence, beam)
+
+    def blocks_needed_for_next_token(self, sequence: GenerationRequest) -> int:
+        """Free primary blocks add_token needs in this window (after out-of-window blocks it
+        detaches are freed)."""
+        num_tokens = sequence.num_tokens + 1
+        if (num_tokens - 1) % self.tokens_per_block != 0:
+            return 0
+        required = 1 if sequence.beam_width == 1 else sequence.beam_width
+        freed = 0
+        front = sequence.num_front_blocks_removed[self.window_size]
+        blocks = self.allocated_blocks_per_seq[sequence.request_id]
+        while (
+            num_tokens - front * self.tokens_per_block >= self.window_size + self.tokens_per_block
+        ):
+            if front < len(blocks) and blocks[front].ref_count == 1:
+                freed += 1
+            front += 1
+        return max(0, required - freed)
+
+    def adjust_blocks_if_needed(self, sequence: GenerationRequest) -> None:
+        tpb = self.tokens_per_block
+        min_tokens_for_detach = self.window_size + tpb
+        while (
+            sequence.num_tokens - sequence.num_front_blocks_removed[self.window_size] * tpb
+            >= min_tokens_for_detach
+        ):
+            if not self.is_swa:
+                raise RuntimeError("a block only goes out of window with sliding-window attention")
+            self.detach_front_block(sequence)
+        if (sequence.num_tokens - 1) % tpb == 0:
+            self.allocate_block(sequence, share_among_beams=sequence.beam_width == 1)
+
+    def detach_front_block(self, sequence: GenerationRequest) -> None:
+        if sequence.beam_width != 1:
+            raise NotImplementedError("detaching out-of-window blocks needs beam width 1")
+        blocks = self.allocated_blocks_per_seq[sequence.request_id]
+        index = sequence.num_front_blocks_removed[self.window_size]
+        block = blocks[index]
+        block.dec_ref_count()
+        if block.ref_count == 0:
+            self.policy.release_block(block)
+        sequence.num_front_blocks_removed[self.window_size] += 1
+
+    # -- storing for reuse -------------------------------------------------------------------------
+
+    def store_blocks(
+        self,
+        keys: Sequence[BlockKey],
+        hashes: Sequence[int],
+        block_ids: Sequence[int],
+        pin_blocks: bool = False,
+        cache_salt: str | None = None,
+    ) -> tuple[int, list[int]]:
+        """storeBlocks: insert the blocks not yet in the tree; one Stored event for them all."""
+        search_root = self.root
+        need_match = True
+        stored: list[KVCacheBlock] = []
+        pinned: list[int] = []
+        tpb = self.tokens_per_block
+        blocks = self.blocks
+        for i in range(min(len(keys), len(block_ids))):
+            key = keys[i]
+            matched = None
+            if need_match:
+                matched = search_root.find_matching_block(key, hashes[i], False, False)[2]
+            if matched is not None:
+                search_root = matched
+            else:
+                need_match = False
+                block = blocks[block_ids[i]]
+                block.set_block_key(key, len(key.tokens) == tpb)
+                block.prev_block = search_root
+                block.prev_block_in_seq = search_root
+                block.hash = hashes[i]
+                block.cache_salt = cache_salt
+                search_root.next_blocks.setdefault(block.hash, block)
+                stored.append(block)
+                search_root = block
+            if pin_blocks:
+                search_root.ref_count += 1
+                pinned.append(search_root.block_id)
+        if self.events is not None:
+            self.events.enqueue_stored(stored, self.window_size)
+        return len(stored), pinned
+
+    def store_context_blocks(self, sequence: GenerationRequest, request: LlmRequest) -> None:
+        tpb = self.tokens_per_block
+        usable = request.num_tokens - 1
+        keys = request.block_keys(tpb, usable, False)
+        hashes = request.block_hashes(tpb, usable, False)
+        self.store_blocks(
+            keys, hashes, sequence.cache_block_ids[self.window_size][0], False, request.cache_salt
+        )
+
+    def store_new_block(self, sequence: GenerationRequest, request: LlmRequest) -> None:
+        tpb = self.tokens_per_block
+        if request.num_tokens == 0:
+            return
+        usable = request.num_tokens - 1
+        if usable % tpb != 0:
+            return
+        ids = sequence.cache_block_ids[self.window_size][0]
+        keys = request.block_keys(tpb, usable, True)
+        hashes = request.block_hashes(tpb, usable, True)
+        n = len(keys)
+        if n >= 2 and len(ids) >= n:
+            last, prev = self.blocks[ids[n - 1]], self.blocks[ids[n - 2]]
+            if prev.prev_block is not None and last.prev_block is not None:
+                return  # already stored
+        self.store_blocks(keys, hashes, ids, False, request.cache_salt)
+
+    def store_blocks_for_reuse(
+        self, sequence: GenerationRequest, request: LlmRequest, pin_blocks: bool
+    ) -> list[int]:
+        tpb = self.tokens_per_block
+        usable = request.num_tokens - 1
+        keys = request.block_keys(tpb, usable, True)
+        hashes = request.block_hashes(tpb, usable, True)
+        ids = sequence.cache_block_ids[self.window_size][0]
+        return self.store_blocks(keys, hashes, ids, pin_blocks, request.cache_salt)[1]
+
+    def is_sequence_valid_for_store_for_reuse(self, request_id: int) -> bool:
+        return self.valid_store_for_reuse.get(request_id, False)
+
+    def release_blocks(
+        self, sequence: GenerationRequest, request: LlmRequest | None, pin_blocks: bool = False
+    ) -> list[int]:
+        """releaseBlocks: store for reuse (when `request` is given), then release last to first."""
+        rid = sequence.request_id
+        blocks = self.allocated_blocks_per_seq.pop(rid)
+        pinned: list[int] = []
+        if request is not None and self.is_sequence_valid_for_store_for_reuse(rid):
+            tpb = self.tokens_per_block
+            usable = request.num_tokens - 1
+            keys = request.block_keys(tpb, usable, True)
+            hashes = request.block_hashes(tpb, usable, True)
+            pinned = self.store_blocks(
+                keys, hashes, [b.block_id for b in blocks], pin_blocks, request.cache_salt
+            )[1]
+        release = self.policy.release_block
+        front = sequence.num_front_blocks_removed[self.window_size]
+        for i in range(len(blocks) - 1, front - 1, -1):
+            block = blocks[i]
+            if block.ref_count > 0:  # an out-of-window block may hold none
+                block.ref_count -= 1
+            if block.ref_count == 0:
+                release(block)
+        sequence.cache_block_ids[self.window_size] = [[] for _ in range(sequence.beam_width)]
+        return pinned
+
+    def release_last_block(self, sequence: GenerationRequest) -> None:
+        blocks = self.allocated_blocks_per_seq[sequence.request_id]
+        block = blocks.pop()
+        block.dec_ref_count()
+        if block.ref_count == 0:
+            self.policy.release_block(block, to_front=True)
+        for beam_ids in sequence.cache_block_ids[self.window_size]:
+            beam_ids.pop()
+
+    def replace_shared_block(self, sequence: GenerationRequest, block_index: int) -> None:
+        """Give every beam its own copy of a shared block (beam divergence)."""
+        beam_width = sequence.beam_width
+        allocated = self.allocated_blocks_per_seq[sequence.request_id]
+        if not allocated[(block_index + 1) * beam_width - 1].is_shared:
+            return
+        key = allocated[block_index * beam_width].key
+        is_full = allocated[block_index * beam_width].is_full
+        for beam in range(beam_width):
+            block = allocated[block_index * beam_width + beam]
+            block.dec_ref_count()
+            if block.ref_count == 0:
+                self.policy.release_block(block)
+        if not self.has_free_blocks(beam_width):
+            raise OutOfBlocksError(
+                f"window {self.window_size}: no free blocks to replace a shared block"
+            )
+        ids_per_beam = sequence.cache_block_ids[self.window_size]
+        for beam in range(beam_width):
+            block = self.get_free_block(sequence.request_id, DEFAULT_PRIORITY, None)
+            block.ref_count += 1
+            ids = ids_per_beam[beam]
+            block.prev_block_in_seq = self.blocks[ids[block_index - 1]] if block_index > 0 else None
+            block.set_block_key(key, is_full)
+            prev = block.prev_block_in_seq
+            block.hash = block_key_hash(key, prev.hash if prev else 0)
+            ids[block_index] = block.block_id
+            allocated[block_index * beam_width + beam] = block
+
+    # -- pinning, scheduling -----------------------------------------------------------------------
+
+    def pin_blocks(self, sequence: GenerationRequest) -> None:
+        for block in self.allocated_blocks_per_seq[sequence.request_id]:
+            block.ref_count += 1
+
+    def unpin_blocks_by_id(self, block_ids: Sequence[int]) -> None:
+        # Validate everything first, so a bad id changes nothing.
+        pending: dict[int, int] = {}
+        for block_id in block_ids:
+            block = self.block(block_id)
+            pending[block_id] = pending.get(block_id, 0) + 1
+            if pending[block_id] > block.ref_count:
+                raise UnknownBlockError(
+                    f"block {block_id} is not pinned (ref count {block.ref_count})"
+                )
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.policy.release_block(block)
+
+    def start_scheduling(self) -> None:
+        self.scheduling_num_free_blocks = self.get_num_free_blocks()
+        for blocks in self.allocated_blocks_per_seq.values():
+            for block in blocks:
+                block.scheduling_ref_count = block.ref_count
+
+    def scheduling_release_blocks(self, request_id: int) -> None:
+        for block in self.allocated_blocks_per_seq[request_id]:
+            if block.scheduling_ref_count <= 0:
+                raise RuntimeError(f"block {block.block_id} has no scheduling reference")
+            block.scheduling_ref_count -= 1
+            if block.scheduling_ref_count == 0:
+                self.scheduling_num_free_blocks += 1
+
+    # -- lookups -----------------------------------------------------------------------------------
+
+    def find_new_context_block(self, request: LlmRequest, tokens: Sequence[int]) -> BlockKey | None:
+        tpb = self.tokens_per_block
+        probe = LlmRequest(
+            request.request_id,
+            list(tokens),
+            lora_task_id=request.lora_task_id,
+            cache_salt_id=request.cache_salt_id,
+            multimodal=request.multimodal,
+        )
+        keys = probe.block_keys(tpb, len(tokens), False)
+        hashes = probe.block_hashes(tpb, len(tokens), False)
+        result_tokens: list[int] = []
+        root: KVCacheBlock | None = self.root
+        for key, key_hash in zip(keys, hashes, strict=True):
+            result_tokens.extend(key.tokens)
+            match = root.find_matching_block(key, key_hash, False, False)[2] if root else None
+            if match is None:
+                return BlockKey(tokens=result_tokens, lora_task_id=request.lora_task_id)
+            root = match
+        return None
+
+    def find_blocks_in_reuse_tree_by_block_key(self, key: BlockKey) -> KVCacheBlock | None:
+        tpb = self.tokens_per_block
+        root: KVCacheBlock | None = self.root
+        parent_hash = 0
+        tokens = key.tokens
+        extra = key.token_extra_ids()
+        for start in range(0, len(tokens), tpb):
+            part = BlockKey._make(
+                tokens[start : start + tpb],
+                key.extra_ids and extra[start : start + tpb],
+                key.uses_extra_ids,
+                key.lora_task_id,
+                key.extra_keys,
+                key.cache_salt_id,
+            )
+            part_hash = block_key_hash(part, parent_hash)
+            match = root.find_matching_block(part, part_hash, True, True)[2] if root else None
+            if match is None:
+                return None
+            root, parent_hash = match, match.hash
+        return root
+
+    def tree_blocks(self) -> list[KVCacheBlock]:
+        """Every block in the reuse tree, parents before children."""
+        out: list[KVCacheBlock] = []
+        stack = list(self.root.next_blocks.values())
+        while stack:
+            block = stack.pop()
+            out.append(block)
+            stack.extend(block.next_blocks.values())
+        return out
+
+    def reset_reuse_state(self) -> None:
+        """Forget the reuse tree. Each forgotten block is reported Removed, so that consumers of
+        the event stream stay exact (the seed swaps the root silently)."""
+        for child in list(self.root.next_blocks.values()):
+            self._free_children(child)
