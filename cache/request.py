@@ -30,6 +30,17 @@ from cache.retention import DEFAULT_RETENTION, RetentionConfig
 INT_MAX = 2**31 - 1
 
 
+def chop_vector_into_blocks(
+    items: Sequence[int], usable: int, tokens_per_block: int, allow_partial: bool
+) -> list[list[int]]:
+    """chopVectorIntoBlocks: the first `usable` items in blocks, partial tail if allowed."""
+    usable = max(0, min(usable, len(items)))
+    end = usable if allow_partial else usable - usable % tokens_per_block
+    return [
+        list(items[i : min(i + tokens_per_block, end)]) for i in range(0, end, tokens_per_block)
+    ]
+
+
 class RequestState(Enum):
     CONTEXT_INIT = "context_init"
     DISAGG_GENERATION_INIT = "disagg_generation_init"

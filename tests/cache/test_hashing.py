@@ -1,0 +1,165 @@
+"""Block hashes, bit for bit against the seed's C++ hasher (testdata/block_hash_golden.json)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from cache import (
+    HASH_IMPL,
+    BlockKey,
+    LlmRequest,
+    MultimodalItem,
+    block_hashes_for_tokens,
+    block_key_hash,
+)
+from cache.hashing import as_token_array, hash_token_blocks, multimodal_arrays
+
+GOLDEN = Path(__file__).resolve().parents[3] / "shared" / "testdata" / "block_hash_golden.json"
+VECTORS: list[dict[str, Any]] = json.loads(GOLDEN.read_text())
+
+
+def _key(vector: dict[str, Any], block: dict[str, Any]) -> BlockKey:
+    return BlockKey(
+        tokens=block["tokens"],
+        extra_ids=block["extra_ids"],
+        uses_extra_ids=vector["uses_extra_ids"],
+        lora_task_id=vector["lora_task_id"],
+        extra_keys=[(bytes.fromhex(m["hash"]), m["start_offset"]) for m in block["mm_keys"]],
+        cache_salt_id=vector["cache_salt_id"],
+    )
+
+
+def test_golden_file_covers_every_key_field() -> None:
+    assert len(VECTORS) == 48
+    assert any(v["uses_extra_ids"] for v in VECTORS)
+    assert any(v["lora_task_id"] is not None for v in VECTORS)
+    assert any(v["cache_salt_id"] is not None for v in VECTORS)
+    assert any(b["mm_keys"] for v in VECTORS for b in v["blocks"])
+
+
+@pytest.mark.parametrize("index", range(len(VECTORS)))
+def test_python_hasher_matches_golden(index: int) -> None:
+    vector = VECTORS[index]
+    for block in vector["blocks"]:
+        assert block_key_hash(_key(vector, block), block["parent_hash"]) == block["hash"]
+
+
+@pytest.mark.parametrize("use_numba", [True, False], ids=["compiled", "python"])
+@pytest.mark.parametrize("index", range(len(VECTORS)))
+def test_vectorised_hasher_matches_golden(index: int, use_numba: bool) -> None:
+    """Each golden block hashed by the sequence kernel, multimodal keys given as items that
+    overlap the block at the recorded offsets."""
+    vector = VECTORS[index]
+    for block in vector["blocks"]:
+        n = len(block["tokens"])
+        block_start = 1000  # the block's absolute position inside an imagined request
+        items = [
+            MultimodalItem(
+                bytes.fromhex(m["hash"]),
+                block_start - m["start_offset"] if m["start_offset"] else block_start,
+                m["start_offset"] + n,
+            )
+            for m in block["mm_keys"]
+        ]
+        out = hash_token_blocks(
+            as_token_array(block["tokens"]),
+            max(n, 1),
+            1,
+            parent_hash=block["parent_hash"],
+            token_offset=block_start,
+            extra_ids=(
+                np.array(block["extra_ids"], dtype=np.uint64) if vector["uses_extra_ids"] else None
+            ),
+            lora_task_id=vector["lora_task_id"],
+            cache_salt_id=vector["cache_salt_id"],
+            mm=multimodal_arrays(items) if items else None,
+            use_numba=use_numba,
+        )
+        assert int(out[0]) == block["hash"]
+
+
+def test_compiled_hasher_is_in_use() -> None:
+    assert HASH_IMPL == "numba"
+
+
+def test_official_vectors() -> None:
+    assert block_key_hash(BlockKey(tokens=[1, 2, 3, 4]), 0) == 924206229973855
+    assert block_key_hash(BlockKey(tokens=[5, 6]), 924206229973855) == 6875034662206558884
+    salted = BlockKey(tokens=[1, 2, 3, 4], cache_salt_id=123)
+    assert block_key_hash(salted, 0) == 6280297290684427985
+    child = BlockKey(tokens=[5, 6], cache_salt_id=123)
+    assert block_key_hash(child, 6280297290684427985) == 18177682803760873588
+    assert block_key_hash(BlockKey(tokens=[0, 1, 2, 3]), 0) == 733356887393045
+    assert block_key_hash(BlockKey(tokens=[0, 1, 2, 3], lora_task_id=0), 0) == 46724052516932779
+    assert block_key_hash(BlockKey(tokens=[1, 2, 3, 4], lora_task_id=123), 0) == (
+        15718075209399076427
+    )
+
+
+def test_block_hashes_for_tokens_chains_full_blocks_and_ignores_the_tail() -> None:
+    hashes = block_hashes_for_tokens([1, 2, 3, 4, 5, 6, 7, 8, 9], 4)
+    first = block_key_hash(BlockKey(tokens=[1, 2, 3, 4]), 0)
+    assert hashes == [first, block_key_hash(BlockKey(tokens=[5, 6, 7, 8]), first)]
+    assert block_hashes_for_tokens([1, 2, 3], 4) == []
+
+
+def test_block_hashes_for_tokens_respects_every_namespace() -> None:
+    tokens = list(range(32))
+    plain = block_hashes_for_tokens(tokens, 16)
+    assert block_hashes_for_tokens(tokens, 16, lora_task_id=0) != plain
+    assert block_hashes_for_tokens(tokens, 16, cache_salt_id=7) != plain
+    # a request that uses extra ids mixes them in, zeros included
+    assert block_hashes_for_tokens(tokens, 16, extra_ids=[0] * 32) != plain
+    item = MultimodalItem(bytes(range(32)), start=10, length=12)
+    mm = block_hashes_for_tokens(tokens, 16, multimodal=[item])
+    expected_first = block_key_hash(BlockKey(tokens=range(16), extra_keys=[(item.hash, 0)]), 0)
+    expected_second = block_key_hash(
+        BlockKey(tokens=range(16, 32), extra_keys=[(item.hash, 6)]), expected_first
+    )
+    assert mm == [expected_first, expected_second]
+    # the salt enters only the first block's hash, but it is part of every key
+    salted = block_hashes_for_tokens(tokens, 16, cache_salt_id=7)
+    assert salted[1] == block_key_hash(BlockKey(tokens=range(16, 32), cache_salt_id=7), salted[0])
+
+
+def test_negative_and_large_token_ids_wrap_like_int32() -> None:
+    tokens = [-1, 2**31 - 1, -(2**31), 0]
+    assert block_hashes_for_tokens(tokens, 4) == [block_key_hash(BlockKey(tokens=tokens), 0)]
+
+
+def test_request_hashes_match_the_manager_and_the_router() -> None:
+    """A request's cached hashes (used by the manager) equal block_hashes_for_tokens."""
+    tokens = list(range(40))
+    extra = [i % 3 for i in range(40)]
+    request = LlmRequest(1, tokens, extra_ids=extra, lora_task_id=5, cache_salt_id=9)
+    assert request.block_hashes(16, 39, False) == block_hashes_for_tokens(
+        tokens[:32], 16, extra_ids=extra[:32], lora_task_id=5, cache_salt_id=9
+    )
+    # growing the request extends the cache without changing earlier hashes
+    first = request.block_hashes(16, 32, False)
+    for t in range(40, 49):
+        request.add_new_token(t)
+    assert request.block_hashes(16, 48, False)[:2] == first
+
+
+def test_block_key_validation() -> None:
+    with pytest.raises(ValueError, match="extra_ids has 1 entries for 2 tokens"):
+        BlockKey(tokens=[1, 2], extra_ids=[5])
+    with pytest.raises(ValueError, match="32 bytes"):
+        MultimodalItem(b"short", 0, 1)
+    with pytest.raises(ValueError, match="tokens_per_block must be positive"):
+        block_hashes_for_tokens([1], 0)
+
+
+def test_partial_match_compares_tokens_only_within_a_namespace() -> None:
+    a = BlockKey(tokens=[1, 2, 3, 4])
+    assert a.partial_match(BlockKey(tokens=[1, 2, 9])) == 2
+    assert a.partial_match(BlockKey(tokens=[1, 2, 9], lora_task_id=0)) == 0
+    assert a.partial_match(BlockKey(tokens=[1, 2, 3], cache_salt_id=1)) == 0
+    with_extra = BlockKey(tokens=[1, 2, 3], extra_ids=[0, 5, 0], uses_extra_ids=True)
+    assert a.partial_match(with_extra) == 1
