@@ -19,6 +19,7 @@ __all__ = ["BENCHMARKS", "Benchmark", "load_benchmark"]
 Benchmark = Callable[[argparse.Namespace], dict[str, Any]]
 
 BENCHMARKS: dict[str, str] = {
+    "manager": "app.bench.manager:run",
     "redis": "app.bench.redis_rtt:run",
 }
 
