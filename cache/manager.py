@@ -226,37 +226,28 @@ class KVCacheManager:
         )
         tpb = self.tokens_per_block
 
-        # Plan every window before touching any: refuse here, not half way.
+        # Plan every window before touching any: refuse here, not half way. Each position of a
+        # sequence takes at most one free primary block (a beam-search tail one per beam); when
+        # every window has that many free, no dry run of the matching walk is needed.
+        beam = request.beam_width
         plans: list[tuple[WindowBlockManager, int, int, list[BlockKey], list[int]]] = []
-        cap = INT_MAX
-        onboarded_before = False
+        bounds: list[int] = []
         key_cache: dict[int, tuple[list[BlockKey], list[int]]] = {}
         for window, wm in self.windows.items():
             effective = min(input_length, self.max_token_num[window])
             num_context_blocks = _ceil_div(effective, tpb)
-            share_last = encoder or effective % tpb == 0
             keys: list[BlockKey] = []
             hashes: list[int] = []
             if reuse:
                 if effective not in key_cache:
                     key_cache[effective] = wm.context_keys(request, effective, encoder)
                 keys, hashes = key_cache[effective]
-            need, matched, onboarded = wm.count_blocks_needed(
-                keys, hashes, sequence, num_context_blocks, cap, reuse, share_last
-            )
-            if reuse and onboarded_before:
-                # An earlier window may match less than planned: bound every position.
-                beam = request.beam_width
-                shared = num_context_blocks - 1 if beam > 1 else num_context_blocks
-                need = shared + (num_context_blocks - shared) * beam
-            free = wm.get_num_free_blocks()
-            if need > free:
-                raise OutOfBlocksError(
-                    f"request {rid} needs {need} blocks in window {window}, {free} free"
-                )
-            cap = min(cap, matched) if reuse else cap
-            onboarded_before = onboarded_before or onboarded
+            shared = num_context_blocks - 1 if beam > 1 else num_context_blocks
+            bounds.append(shared + (num_context_blocks - shared) * beam)
             plans.append((wm, effective, num_context_blocks, keys, hashes))
+        free = [wm.get_num_free_blocks() for wm, *_ in plans]
+        if any(bound > n for bound, n in zip(bounds, free, strict=True)):
+            self._check_room(request, sequence, plans, bounds, reuse, encoder)
 
         before = self._counters()
         for wm in self.windows.values():
@@ -283,6 +274,35 @@ class KVCacheManager:
         request.reused_blocks += after[2] - before[2]
         request.missed_blocks += after[3] - before[3]
         return request.prepopulated_prompt_len
+
+    def _check_room(
+        self,
+        request: LlmRequest,
+        sequence: GenerationRequest,
+        plans: list[tuple[WindowBlockManager, int, int, list[BlockKey], list[int]]],
+        bounds: list[int],
+        reuse: bool,
+        encoder: bool,
+    ) -> None:
+        """Raise OutOfBlocksError, before any change, if add_sequence would run out of blocks."""
+        cap = INT_MAX
+        onboarded_before = False
+        for plan, bound in zip(plans, bounds, strict=True):
+            wm, effective, num_context_blocks, keys, hashes = plan
+            share_last = encoder or effective % self.tokens_per_block == 0
+            need, matched, onboarded = wm.count_blocks_needed(
+                keys, hashes, sequence, num_context_blocks, cap, reuse, share_last
+            )
+            if reuse and onboarded_before:
+                need = bound  # an earlier window may match less than planned
+            free = wm.get_num_free_blocks()
+            if need > free:
+                raise OutOfBlocksError(
+                    f"request {request.request_id} needs {need} blocks in window "
+                    f"{wm.window_size}, {free} free"
+                )
+            cap = min(cap, matched)
+            onboarded_before = onboarded_before or onboarded
 
     def _counters(self) -> tuple[int, int, int, int]:
         ws = self.windows.values()

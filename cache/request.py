@@ -17,7 +17,6 @@ import numpy.typing as npt
 
 from cache.hashing import (
     BlockKey,
-    ExtraKey,
     MultimodalItem,
     as_token_array,
     block_extra_keys,
@@ -103,6 +102,7 @@ class LlmRequest:
         self.missed_blocks = 0
         # Chained hashes of full blocks, per tokens_per_block (and source of tokens).
         self._hash_cache: dict[tuple[int, bool], list[int]] = {}
+        self._key_cache: dict[tuple[int, bool], list[BlockKey]] = {}
         self._mm_arrays: Any = None
 
     @property
@@ -138,32 +138,53 @@ class LlmRequest:
     def block_keys(
         self, tokens_per_block: int, usable: int, allow_partial: bool, encoder: bool = False
     ) -> list[BlockKey]:
-        """chopVectorIntoBlocks + buildBlockKeys over the first `usable` tokens."""
-        tokens, extra = self._source(encoder)
+        """chopVectorIntoBlocks + buildBlockKeys over the first `usable` tokens.
+
+        Keys of full blocks are cached: tokens are append-only, so they never change.
+        """
+        tokens = self._source(encoder)[0]
         usable = max(0, min(usable, len(tokens)))
-        end = usable if allow_partial else usable - usable % tokens_per_block
-        uses_extra = self.extra_ids is not None and not encoder
-        lora, salt = self.lora_task_id, self.cache_salt_id
-        mm = self.multimodal
-        keys = []
-        make = BlockKey._make
-        no_extra: tuple[ExtraKey, ...] = ()
-        for start in range(0, end, tokens_per_block):
-            stop = min(start + tokens_per_block, end)
-            ext = None
-            if extra is not None:
-                ext_t = tuple(extra[start:stop])
-                ext = ext_t if any(ext_t) else None
-            keys.append(
-                make(
-                    tuple(tokens[start:stop]),
-                    ext,
-                    uses_extra,
-                    lora,
-                    block_extra_keys(mm, start, stop) if mm else no_extra,
-                    salt,
+        num_full = usable // tokens_per_block
+        cache = self._key_cache.setdefault((tokens_per_block, encoder), [])
+        if len(cache) < num_full:
+            cache.extend(
+                self._make_keys(
+                    len(cache) * tokens_per_block,
+                    num_full * tokens_per_block,
+                    tokens_per_block,
+                    encoder,
                 )
             )
+        keys = cache[:num_full]
+        if allow_partial and usable % tokens_per_block:
+            keys += self._make_keys(num_full * tokens_per_block, usable, tokens_per_block, encoder)
+        return keys
+
+    def _make_keys(
+        self, start: int, stop: int, tokens_per_block: int, encoder: bool
+    ) -> list[BlockKey]:
+        """Keys of the blocks of tokens [start, stop); `start` lies on a block boundary."""
+        tokens, extra = self._source(encoder)
+        make = BlockKey._make
+        lora, salt = self.lora_task_id, self.cache_salt_id
+        starts = range(start, stop, tokens_per_block)
+        if extra is None and not self.multimodal:
+            return [
+                make(
+                    tuple(tokens[b : min(b + tokens_per_block, stop)]), None, False, lora, (), salt
+                )
+                for b in starts
+            ]
+        uses_extra = extra is not None
+        keys = []
+        for b in starts:
+            e = min(b + tokens_per_block, stop)
+            ext = None
+            if extra is not None:
+                ext_t = tuple(extra[b:e])
+                ext = ext_t if any(ext_t) else None
+            mm = block_extra_keys(self.multimodal, b, e) if self.multimodal else ()
+            keys.append(make(tuple(tokens[b:e]), ext, uses_extra, lora, mm, salt))
         return keys
 
     def empty_key(self, start: int) -> BlockKey:

@@ -150,7 +150,12 @@ class WindowBlockManager:
             policy.claim_block(block)  # keeps its priority, loses its duration
             policy.release_block(block)  # now into the secondary queue
             block = offload_block
-        self._free_children(block)
+        if block.next_blocks:
+            self._free_children(block)
+        elif block.prev_block is not None:  # a cached leaf, the usual victim
+            if self.events is not None and block.key.tokens:
+                self.events.enqueue_removed(block.hash, self.window_size)
+            block.free_leaf_block()
         policy.claim_block(block, priority, duration_s)
         # A block taken from under a live sequence (rewound or out of window) makes that
         # sequence's store-for-reuse invalid.
@@ -200,6 +205,13 @@ class WindowBlockManager:
         self.allocated_blocks_per_seq[sequence.request_id].append(block)
 
     def add_block_to_all_beams(self, block: KVCacheBlock, sequence: GenerationRequest) -> None:
+        if sequence.beam_width == 1:  # the usual case, without the per-beam indirection
+            block.ref_count += 1
+            ids = sequence.cache_block_ids[self.window_size][0]
+            block.prev_block_in_seq = self.blocks[ids[-1]] if ids else None
+            ids.append(block.block_id)
+            self.allocated_blocks_per_seq[sequence.request_id].append(block)
+            return
         for beam in range(sequence.beam_width):
             self.add_block_to_beam(block, sequence, beam)
 
@@ -322,10 +334,15 @@ class WindowBlockManager:
             priority, duration = per_block[bi]
             match: KVCacheBlock | None = None
             partial, num_matched = False, 0
-            if search_root is not None and ki < num_keys:
-                partial, num_matched, match = search_root.find_matching_block(
-                    keys[ki], hashes[ki], self.enable_partial_reuse, self.copy_on_partial_reuse
-                )
+            if search_root is not None and search_root.next_blocks and ki < num_keys:
+                key = keys[ki]
+                child = search_root.next_blocks.get(hashes[ki])
+                if child is not None and child.is_full and (child.key is key or child.key == key):
+                    match, num_matched = child, len(key.tokens)  # the common case, inlined
+                else:
+                    partial, num_matched, match = search_root.find_matching_block(
+                        key, hashes[ki], self.enable_partial_reuse, self.copy_on_partial_reuse
+                    )
             if match is not None and (
                 num_matched_tokens + num_matched <= sequence.current_prepopulated_prompt_len
             ):
@@ -351,7 +368,8 @@ class WindowBlockManager:
                 else:
                     policy.claim_block(match, priority, duration)
                     search_root = match
-                self.onboard_block(rid, match)
+                if not match.is_primary:
+                    self.onboard_block(rid, match)
                 self.add_block_to_all_beams(match, sequence)
                 self.reused_blocks += 1
                 ki += 1
@@ -467,7 +485,7 @@ class WindowBlockManager:
         self,
         keys: Sequence[BlockKey],
         hashes: Sequence[int],
-        block_ids: Sequence[int],
+        blocks: Sequence[KVCacheBlock],
         pin_blocks: bool = False,
         cache_salt: str | None = None,
     ) -> tuple[int, list[int]]:
@@ -477,28 +495,30 @@ class WindowBlockManager:
         stored: list[KVCacheBlock] = []
         pinned: list[int] = []
         tpb = self.tokens_per_block
-        blocks = self.blocks
-        for i in range(min(len(keys), len(block_ids))):
+        for i in range(min(len(keys), len(blocks))):
             key = keys[i]
-            matched = None
+            key_hash = hashes[i]
             if need_match:
-                matched = search_root.find_matching_block(key, hashes[i], False, False)[2]
-            if matched is not None:
-                search_root = matched
-            else:
+                child = search_root.next_blocks.get(key_hash)
+                if child is not None and key.tokens and (child.key is key or child.key == key):
+                    search_root = child
+                    if pin_blocks:
+                        child.ref_count += 1
+                        pinned.append(child.block_id)
+                    continue
                 need_match = False
-                block = blocks[block_ids[i]]
-                block.set_block_key(key, len(key.tokens) == tpb)
-                block.prev_block = search_root
-                block.prev_block_in_seq = search_root
-                block.hash = hashes[i]
-                block.cache_salt = cache_salt
-                search_root.next_blocks.setdefault(block.hash, block)
-                stored.append(block)
-                search_root = block
+            block = blocks[i]
+            block.set_block_key(key, len(key.tokens) == tpb)
+            block.prev_block = search_root
+            block.prev_block_in_seq = search_root
+            block.hash = key_hash
+            block.cache_salt = cache_salt
+            search_root.next_blocks.setdefault(key_hash, block)
+            stored.append(block)
+            search_root = block
             if pin_blocks:
-                search_root.ref_count += 1
-                pinned.append(search_root.block_id)
+                block.ref_count += 1
+                pinned.append(block.block_id)
         if self.events is not None:
             self.events.enqueue_stored(stored, self.window_size)
         return len(stored), pinned
@@ -508,9 +528,7 @@ class WindowBlockManager:
         usable = request.num_tokens - 1
         keys = request.block_keys(tpb, usable, False)
         hashes = request.block_hashes(tpb, usable, False)
-        self.store_blocks(
-            keys, hashes, sequence.cache_block_ids[self.window_size][0], False, request.cache_salt
-        )
+        self.store_blocks(keys, hashes, self._beam0_blocks(sequence), False, request.cache_salt)
 
     def store_new_block(self, sequence: GenerationRequest, request: LlmRequest) -> None:
         tpb = self.tokens_per_block
@@ -519,15 +537,18 @@ class WindowBlockManager:
         usable = request.num_tokens - 1
         if usable % tpb != 0:
             return
-        ids = sequence.cache_block_ids[self.window_size][0]
+        blocks = self._beam0_blocks(sequence)
         keys = request.block_keys(tpb, usable, True)
         hashes = request.block_hashes(tpb, usable, True)
         n = len(keys)
-        if n >= 2 and len(ids) >= n:
-            last, prev = self.blocks[ids[n - 1]], self.blocks[ids[n - 2]]
-            if prev.prev_block is not None and last.prev_block is not None:
-                return  # already stored
-        self.store_blocks(keys, hashes, ids, False, request.cache_salt)
+        if (
+            n >= 2
+            and len(blocks) >= n
+            and blocks[n - 2].prev_block is not None
+            and blocks[n - 1].prev_block is not None
+        ):
+            return  # already stored
+        self.store_blocks(keys, hashes, blocks, False, request.cache_salt)
 
     def store_blocks_for_reuse(
         self, sequence: GenerationRequest, request: LlmRequest, pin_blocks: bool
@@ -536,8 +557,11 @@ class WindowBlockManager:
         usable = request.num_tokens - 1
         keys = request.block_keys(tpb, usable, True)
         hashes = request.block_hashes(tpb, usable, True)
-        ids = sequence.cache_block_ids[self.window_size][0]
-        return self.store_blocks(keys, hashes, ids, pin_blocks, request.cache_salt)[1]
+        blocks = self._beam0_blocks(sequence)
+        return self.store_blocks(keys, hashes, blocks, pin_blocks, request.cache_salt)[1]
+
+    def _beam0_blocks(self, sequence: GenerationRequest) -> list[KVCacheBlock]:
+        return [self.blocks[i] for i in sequence.cache_block_ids[self.window_size][0]]
 
     def is_sequence_valid_for_store_for_reuse(self, request_id: int) -> bool:
         return self.valid_store_for_reuse.get(request_id, False)
@@ -554,9 +578,7 @@ class WindowBlockManager:
             usable = request.num_tokens - 1
             keys = request.block_keys(tpb, usable, True)
             hashes = request.block_hashes(tpb, usable, True)
-            pinned = self.store_blocks(
-                keys, hashes, [b.block_id for b in blocks], pin_blocks, request.cache_salt
-            )[1]
+            pinned = self.store_blocks(keys, hashes, blocks, pin_blocks, request.cache_salt)[1]
         release = self.policy.release_block
         front = sequence.num_front_blocks_removed[self.window_size]
         for i in range(len(blocks) - 1, front - 1, -1):
