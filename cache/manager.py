@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from cache import capacity
 from cache.errors import DuplicateRequestError, OutOfBlocksError, UnknownRequestError
 from cache.events import KVCacheEvent, KVCacheEventManager
 from cache.hashing import BlockKey
@@ -176,6 +177,92 @@ class KVCacheManager:
             assert pool.primary is not None
             self.allocated_bytes += pool.primary.numel() * pool.primary.element_size()
         return pools_mod.TorchTransferEngine(pools)
+
+    # -- capacity (the seed's static helpers) ----------------------------------------------------
+
+    calculate_max_block_requirements_per_beam = staticmethod(
+        capacity.calculate_max_block_requirements_per_beam
+    )
+    calculate_max_block_requirements = staticmethod(capacity.calculate_max_block_requirements)
+    calculate_max_attention_window = staticmethod(capacity.calculate_max_attention_window)
+    calculate_window_size_to_share = staticmethod(capacity.calculate_window_size_to_share)
+    calculate_max_num_blocks = staticmethod(capacity.calculate_max_num_blocks)
+    group_layers_by_window_size = staticmethod(group_layers_by_window_size)
+
+    def get_max_capacity_batch_size(self, input_length: int, output_length: int) -> int:
+        """How many sequences of this shape fit at once (the tightest window decides)."""
+        return min(
+            wm.num_primary_blocks
+            // capacity.calculate_max_block_requirements(
+                input_length, output_length, 0, window, self.max_beam_width, self.tokens_per_block
+            )
+            for window, wm in self.windows.items()
+        )
+
+    # -- pools and block offset tables -----------------------------------------------------------
+
+    @property
+    def num_pools(self) -> int:
+        return sum(len(p) for p in self.pools.values())
+
+    def get_layer_pool(self, layer: int) -> tuple[int, int]:
+        """(absolute pool index, layer index within the pool) of a layer."""
+        from cache.pools import group_pools
+
+        offset = 0
+        for layers in self.window_to_layers.values():
+            groups, mapping = group_pools(layers, self.num_kv_heads_per_layer)
+            if layer in mapping:
+                pool, index = mapping[layer]
+                return offset + pool, index
+            offset += len(groups)
+        raise ValueError(f"layer {layer} is outside 0..{self.num_layers - 1}")
+
+    def get_primary_pool(self, layer: int) -> Any:
+        """The primary pool tensor that holds `layer` (and its index inside it)."""
+        pool, _ = self.get_layer_pool(layer)
+        return [p for pools in self.pools.values() for p in pools][pool].primary
+
+    def max_blocks_per_seq(self) -> int:
+        return _ceil_div(self.max_sequence_length, self.tokens_per_block)
+
+    def get_block_offsets(self, request_id: int, window_size: int | None = None) -> Any:
+        """The kernel-facing block table of a sequence for one window (see pools.offset_table)."""
+        from cache.pools import offset_table
+
+        wm = self._window(window_size)
+        if wm.window_size not in self.pools:
+            raise RuntimeError("block offsets need allocated pools")
+        ids = self._sequence(request_id).cache_block_ids[wm.window_size]
+        slots = [[wm.blocks[i].memory_index for i in beam] for beam in ids]
+        return offset_table(
+            slots,
+            self.pools[wm.window_size],
+            self.max_blocks_per_seq(),
+            self.cache_type is CacheType.SELFKONLY,
+        )
+
+    def copy_block_offsets(self, output: Any, output_slot_offset: int, request_id: int) -> int:
+        """copyBlockOffsets: write the sequence's table into output[pool, slot + beam, K/V, :n]
+        for every window's pools; returns the largest block count of a beam."""
+        max_count = 0
+        absolute = 0
+        sequence = self._sequence(request_id)
+        for window in self.windows:
+            table = self.get_block_offsets(request_id, window)
+            for pool in range(table.shape[0]):
+                for beam, ids in enumerate(sequence.cache_block_ids[window]):
+                    n = len(ids)
+                    output[absolute, output_slot_offset + beam, :, :n] = table[pool, beam, :, :n]
+                    max_count = max(max_count, n)
+                absolute += 1
+        return max_count
+
+    def get_block_offsets_of_batch(
+        self, output: Any, request_ids: Sequence[int], beam_width: int
+    ) -> None:
+        for i, request_id in enumerate(request_ids):
+            self.copy_block_offsets(output, i * beam_width, request_id)
 
     # -- helpers ---------------------------------------------------------------------------------
 

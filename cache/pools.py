@@ -101,3 +101,45 @@ class TorchTransferEngine:
     def sync(self) -> None:
         if any(p.primary is not None and p.primary.is_cuda for p in self.pools):
             torch.cuda.synchronize()
+
+
+KV_CACHE_INDEX_SENTINEL = 2**31 - 1  # unused slots of a block offset table
+
+
+def offset_table(
+    memory_indices: Sequence[Sequence[int]],
+    pools: Sequence[KVCachePool],
+    max_blocks_per_seq: int,
+    k_only: bool,
+) -> torch.Tensor:
+    """The seed's per-sequence cacheBlockIndices for one window: int32
+    [pools, beams, 2 (K, V), max_blocks_per_seq]; entry = (slot x layers_in_pool + 0) x kv_factor
+    + field, field 0 for K and 1 for V (0 for both in a K-only cache); unused slots hold the
+    sentinel."""
+    beams = len(memory_indices)
+    table = torch.full(
+        (len(pools), beams, 2, max_blocks_per_seq), KV_CACHE_INDEX_SENTINEL, dtype=torch.int32
+    )
+    for beam, slots in enumerate(memory_indices):
+        if not slots:
+            continue
+        mem = torch.tensor(slots, dtype=torch.int64)
+        n = len(slots)
+        for p, pool in enumerate(pools):
+            base = mem * pool.num_layers * pool.kv_factor
+            table[p, beam, 0, :n] = base
+            table[p, beam, 1, :n] = base + (0 if k_only else 1)
+    return table
+
+
+def free_device_memory_bytes(device: str) -> int:
+    """Free memory of a CUDA device, or of the host for "cpu"."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(dev)
+        return int(free)
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("cannot read available host memory")
