@@ -15,6 +15,7 @@ C++ arithmetic to mirror: token ids and multimodal words are mixed as uint32, an
 
 from __future__ import annotations
 
+import array
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -258,38 +259,46 @@ def _hash_blocks_py(
         out[b] = parent
 
 
-def _load_kernel() -> Any:
-    if os.environ.get("KVMESH_NO_NUMBA"):
-        return None
-    try:
-        import numba
-    except ImportError:  # pragma: no cover - numba is a declared dependency
-        return None
+try:  # numba is a declared dependency; without it (or with KVMESH_NO_NUMBA) Python hashes
+    import numba
 
-    u64 = np.uint64
-    mul_a, mul_b, mul32, golden = u64(_MUL_A), u64(_MUL_B), u64(_MUL_32), u64(_GOLDEN)
-    m32 = u64(_M32)
-    s6, s2, s16, s27, s30, s31 = u64(6), u64(2), u64(16), u64(27), u64(30), u64(31)
+    _HAVE_NUMBA = True
+except ImportError:  # pragma: no cover
+    _HAVE_NUMBA = False
 
-    @numba.njit(cache=True, nogil=True, inline="always")
-    def mix64(x):  # type: ignore[no-untyped-def]
-        x = (x ^ (x >> s30)) * mul_a
-        x = (x ^ (x >> s27)) * mul_b
-        return x ^ (x >> s31)
+_KERNEL: Any = None
 
-    @numba.njit(cache=True, nogil=True, inline="always")
-    def mix32(a):  # type: ignore[no-untyped-def]
-        # Work in uint64 and mask back to 32 bits after every multiply: uint32 semantics.
-        a = (((a >> s16) ^ a) * mul32) & m32
-        a = (((a >> s16) ^ a) * mul32) & m32
-        return (a >> s16) ^ a
+if _HAVE_NUMBA and not os.environ.get("KVMESH_NO_NUMBA"):
+    # Module-level functions, so that numba's on-disk cache (cache=True) is reused by every
+    # process; the constants are uint64 so that numba never promotes the arithmetic to float.
+    _U_MUL_A = np.uint64(_MUL_A)
+    _U_MUL_B = np.uint64(_MUL_B)
+    _U_MUL_32 = np.uint64(_MUL_32)
+    _U_GOLDEN = np.uint64(_GOLDEN)
+    _U_M32 = np.uint64(_M32)
+    _U_ZERO = np.uint64(0)
+    _S2, _S6, _S16 = np.uint64(2), np.uint64(6), np.uint64(16)
+    _S27, _S30, _S31 = np.uint64(27), np.uint64(30), np.uint64(31)
 
     @numba.njit(cache=True, nogil=True, inline="always")
-    def combine(seed, value):  # type: ignore[no-untyped-def]
-        return seed ^ (value + (seed << s6) + (seed >> s2))
+    def _nb_mix64(x):  # type: ignore[no-untyped-def]
+        x = (x ^ (x >> _S30)) * _U_MUL_A
+        x = (x ^ (x >> _S27)) * _U_MUL_B
+        return x ^ (x >> _S31)
+
+    @numba.njit(cache=True, nogil=True, inline="always")
+    def _nb_mix32(a):  # type: ignore[no-untyped-def]
+        # uint32 semantics in uint64 registers: mask back to 32 bits after every multiply.
+        a = (((a >> _S16) ^ a) * _U_MUL_32) & _U_M32
+        a = (((a >> _S16) ^ a) * _U_MUL_32) & _U_M32
+        return (a >> _S16) ^ a
+
+    @numba.njit(cache=True, nogil=True, inline="always")
+    def _nb_combine(seed, value):  # type: ignore[no-untyped-def]
+        return seed ^ (value + (seed << _S6) + (seed >> _S2))
 
     @numba.njit(cache=True, nogil=True)
-    def hash_blocks(  # type: ignore[no-untyped-def]
+    def _nb_hash_blocks(  # type: ignore[no-untyped-def]
         tokens,
         extra,
         uses_extra,
@@ -306,34 +315,32 @@ def _load_kernel() -> Any:
         out,
     ):
         n_tokens = tokens.shape[0]
-        parent = u64(parent)
         for b in range(out.shape[0]):
             start = b * tokens_per_block
             end = min(start + tokens_per_block, n_tokens)
-            seed = u64(end - start) ^ (parent * mul_a)
-            if parent == u64(0) and salt_on:
-                seed = combine(seed, mix64(u64(salt)) + golden)
+            seed = np.uint64(end - start) ^ (parent * _U_MUL_A)
+            if parent == _U_ZERO and salt_on:
+                seed = _nb_combine(seed, _nb_mix64(salt) + _U_GOLDEN)
             for t in range(start, end):
-                seed = combine(seed, (mix32(u64(tokens[t])) + golden) & m32)
+                seed = _nb_combine(seed, (_nb_mix32(np.uint64(tokens[t])) + _U_GOLDEN) & _U_M32)
                 if uses_extra:
-                    seed = combine(seed, mix64(u64(extra[t])) + golden)
+                    seed = _nb_combine(seed, _nb_mix64(np.uint64(extra[t])) + _U_GOLDEN)
             if lora_on:
-                seed = combine(seed, mix64(u64(lora)) + golden)
+                seed = _nb_combine(seed, _nb_mix64(lora) + _U_GOLDEN)
             abs_start = token_offset + start
             abs_end = token_offset + end
             for k in range(mm_pos.shape[0]):
                 if abs_end > mm_pos[k] and abs_start < mm_pos[k] + mm_len[k]:
                     for w in range(8):
-                        seed = combine(seed, (mix32(u64(mm_words[k, w])) + golden) & m32)
+                        word = np.uint64(mm_words[k, w])
+                        seed = _nb_combine(seed, (_nb_mix32(word) + _U_GOLDEN) & _U_M32)
                     offset = 0 if mm_pos[k] >= abs_start else abs_start - mm_pos[k]
-                    seed = combine(seed, mix64(u64(offset)) + golden)
+                    seed = _nb_combine(seed, _nb_mix64(np.uint64(offset)) + _U_GOLDEN)
             out[b] = seed
             parent = seed
 
-    return hash_blocks
+    _KERNEL = _nb_hash_blocks
 
-
-_KERNEL = _load_kernel()
 HASH_IMPL = "numba" if _KERNEL is not None else "python"
 _EMPTY_U64 = np.zeros(0, dtype=np.uint64)
 _EMPTY_WORDS = np.zeros((0, 8), dtype=np.uint32)
@@ -342,12 +349,12 @@ _EMPTY_I64 = np.zeros(0, dtype=np.int64)
 
 def as_token_array(tokens: Sequence[int] | npt.NDArray[Any]) -> U32Array:
     """Token ids as the uint32 words the hasher mixes (negative int32 ids wrap as in C++)."""
-    arr = np.asarray(tokens)
-    if arr.dtype == np.uint32:
-        return arr
-    if arr.size == 0:
-        return np.zeros(0, dtype=np.uint32)
-    return arr.astype(np.int64).astype(np.uint32)
+    if isinstance(tokens, np.ndarray):
+        return tokens if tokens.dtype == np.uint32 else tokens.astype(np.int64).astype(np.uint32)
+    try:  # int32 ids: one C-level conversion, reinterpreted as uint32
+        return np.frombuffer(array.array("i", tokens), dtype=np.uint32)
+    except OverflowError:
+        return np.asarray(tokens, dtype=np.int64).astype(np.uint32)
 
 
 def multimodal_arrays(

@@ -355,6 +355,7 @@ class KVCacheManager:
                 wm.add_sequence_without_reuse(
                     sequence, num_context_blocks, encoder or effective % tpb == 0
                 )
+        self._flush_transfers()
         after = self._counters()
         request.alloc_total_blocks += after[0] - before[0]
         request.alloc_new_blocks += after[1] - before[1]
@@ -413,6 +414,12 @@ class KVCacheManager:
         sequence.num_tokens += 1
         for wm in self.windows.values():
             wm.adjust_blocks_if_needed(sequence)
+        self._flush_transfers()
+
+    def _flush_transfers(self) -> None:
+        """Issue the copies an operation queued before the caller can read the pools."""
+        for wm in self.windows.values():
+            wm.transfer.flush()
 
     def remove_token(self, request_id: int) -> None:
         sequence = self._sequence(request_id)

@@ -9,9 +9,12 @@ first N rows of every head, layer, K and V.
 
 from __future__ import annotations
 
+import contextlib
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from cache.transfer import Slot
@@ -74,33 +77,159 @@ def allocate(
             )
 
 
+@dataclass(frozen=True, slots=True)
+class _Copy:
+    src: Slot
+    dst: Slot
+    num_tokens: int
+
+
 class TorchTransferEngine:
-    """Copies whole blocks, or their first N token slots, across every pool of a window."""
+    """Moves block contents between the slots of a window's pools, batched.
+
+    Copies are queued and run in *waves*: a copy that reads a slot written earlier in the wave,
+    or writes a slot read or written earlier, closes the wave first, so per-slot order is kept
+    (a read waits for pending writes to that slot and vice versa). Inside a wave, copies of the
+    same kind (tiers, tokens) run together: per pool, one narrow copy per run of consecutive
+    slots, or one gather and one scatter when the slots are scattered. On CUDA the copies run on
+    a dedicated stream that first waits for the compute stream, and the compute stream waits for
+    it after each flush.
+
+    File mode (the seed's GDS / POSIX fallback) keeps an offloaded block in
+    `<directory>/block_<secondary slot>_pool_<pool>.bin` instead of host memory; where a
+    secondary slot's content lives is remembered per slot, so an onboard finds it whatever mode
+    the onboarding request uses.
+    """
 
     def __init__(self, pools: Sequence[KVCachePool]) -> None:
         self.pools = list(pools)
+        self._queue: list[_Copy] = []
+        self._reads: set[Slot] = set()
+        self._writes: set[Slot] = set()
+        self._in_file: dict[int, str] = {}  # secondary slot -> directory holding its content
+        first = self.pools[0].primary if self.pools else None
+        self._stream: torch.cuda.Stream | None = None
+        if first is not None and first.is_cuda:
+            self._stream = torch.cuda.Stream(device=first.device)  # type: ignore[no-untyped-call]
+        self.num_copies = 0
 
-    def copy(self, src: Slot, dst: Slot, num_tokens: int = 0) -> None:
-        for pool in self.pools:
-            src_block = pool.tensor(src.is_primary)[src.index]
-            dst_block = pool.tensor(dst.is_primary)[dst.index]
-            if 0 < num_tokens < pool.tokens_per_block:
-                shape = (
-                    pool.num_layers,
-                    pool.kv_factor,
-                    pool.num_kv_heads,
-                    pool.tokens_per_block,
-                    pool.head_dim,
-                )
-                dst_block.view(shape)[:, :, :, :num_tokens].copy_(
-                    src_block.view(shape)[:, :, :, :num_tokens], non_blocking=True
-                )
-            else:
-                dst_block.copy_(src_block, non_blocking=True)
+    def copy(self, src: Slot, dst: Slot, num_tokens: int = 0, directory: str | None = None) -> None:
+        if src in self._writes or dst in self._reads or dst in self._writes:
+            self.flush()
+        to_file = directory is not None and not dst.is_primary
+        if to_file or (not src.is_primary and src.index in self._in_file):
+            self.flush()
+            self._file_copy(src, dst, num_tokens, directory if to_file else None)
+            return
+        if not dst.is_primary:
+            self._in_file.pop(dst.index, None)
+        self._queue.append(_Copy(src, dst, num_tokens))
+        self._reads.add(src)
+        self._writes.add(dst)
+
+    def flush(self) -> None:
+        if not self._queue:
+            return
+        queue, self._queue = self._queue, []
+        self._reads.clear()
+        self._writes.clear()
+        tokens_per_block = self.pools[0].tokens_per_block
+        groups: dict[tuple[bool, bool, int], list[_Copy]] = {}
+        for c in queue:
+            n = c.num_tokens if 0 < c.num_tokens < tokens_per_block else 0
+            groups.setdefault((c.src.is_primary, c.dst.is_primary, n), []).append(c)
+        stream = self._stream
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(stream.device))
+        context = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+        with context:
+            for (src_primary, dst_primary, n), copies in groups.items():
+                src_idx = [c.src.index for c in copies]
+                dst_idx = [c.dst.index for c in copies]
+                for pool in self.pools:
+                    src, dst = pool.tensor(src_primary), pool.tensor(dst_primary)
+                    _copy_blocks(pool, src, dst, src_idx, dst_idx, n)
+        if stream is not None:
+            torch.cuda.current_stream(stream.device).wait_stream(stream)
+        self.num_copies += len(queue)
 
     def sync(self) -> None:
-        if any(p.primary is not None and p.primary.is_cuda for p in self.pools):
-            torch.cuda.synchronize()
+        self.flush()
+        if self._stream is not None:
+            self._stream.synchronize()
+
+    @staticmethod
+    def block_path(directory: str, slot: int, pool: int) -> str:
+        return os.path.join(directory, f"block_{slot}_pool_{pool}.bin")
+
+    def _file_copy(self, src: Slot, dst: Slot, num_tokens: int, directory: str | None) -> None:
+        """Synchronous POSIX read/write of one block per pool (the seed's debug fallback);
+        with `directory`, write `src` to the files of secondary slot `dst`."""
+        source_dir = None if src.is_primary else self._in_file.get(src.index)
+        for p, pool in enumerate(self.pools):
+            like = pool.tensor(True)[0]
+            if source_dir is None:
+                data = pool.tensor(src.is_primary)[src.index].cpu()
+            else:
+                raw = np.fromfile(self.block_path(source_dir, src.index, p), dtype=np.uint8)
+                data = torch.from_numpy(raw).view(like.dtype).view(like.shape)
+            if directory is not None:
+                os.makedirs(directory, exist_ok=True)
+                data.contiguous().view(torch.uint8).numpy().tofile(
+                    self.block_path(directory, dst.index, p)
+                )
+            else:
+                target = pool.tensor(dst.is_primary)
+                n = num_tokens if 0 < num_tokens < pool.tokens_per_block else 0
+                _copy_blocks(pool, data.unsqueeze(0).to(target.device), target, [0], [dst.index], n)
+        if not dst.is_primary:
+            if directory is not None:
+                self._in_file[dst.index] = directory
+            else:
+                self._in_file.pop(dst.index, None)
+        self.num_copies += 1
+
+
+def _runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
+    """Maximal runs (src start, dst start, length) where both sides advance by one."""
+    a = np.asarray(src, dtype=np.int64)
+    b = np.asarray(dst, dtype=np.int64)
+    breaks = np.flatnonzero((np.diff(a) != 1) | (np.diff(b) != 1)) + 1
+    starts = np.concatenate(([0], breaks))
+    ends = np.concatenate((breaks, [len(a)]))
+    return list(zip(a[starts].tolist(), b[starts].tolist(), (ends - starts).tolist(), strict=True))
+
+
+def _copy_blocks(
+    pool: KVCachePool,
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    src_idx: Sequence[int],
+    dst_idx: Sequence[int],
+    num_tokens: int,
+) -> None:
+    """dst[dst_idx] = src[src_idx] (only the first `num_tokens` token slots when non-zero)."""
+    if num_tokens:
+        shape = (
+            -1,
+            pool.num_layers,
+            pool.kv_factor,
+            pool.num_kv_heads,
+            pool.tokens_per_block,
+            pool.head_dim,
+        )
+        si = torch.tensor(src_idx, device=src.device)
+        di = torch.tensor(dst_idx, device=dst.device)
+        part = src.view(shape)[si][:, :, :, :, :num_tokens].to(dst.device, non_blocking=True)
+        dst.view(shape)[di, :, :, :, :num_tokens] = part
+        return
+    runs = _runs(src_idx, dst_idx)
+    if len(runs) * 4 <= len(src_idx) or len(src_idx) <= 4:
+        for s, d, n in runs:
+            dst.narrow(0, d, n).copy_(src.narrow(0, s, n), non_blocking=True)
+        return
+    gathered = src.index_select(0, torch.tensor(src_idx, device=src.device))
+    dst.index_copy_(0, torch.tensor(dst_idx, device=dst.device), gathered.to(dst.device))
 
 
 KV_CACHE_INDEX_SENTINEL = 2**31 - 1  # unused slots of a block offset table

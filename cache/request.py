@@ -8,6 +8,7 @@ matched and stored. `GenerationRequest` is the manager's own per-sequence state.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from enum import Enum
 from typing import Any
@@ -24,7 +25,7 @@ from cache.hashing import (
     hash_token_blocks,
     multimodal_arrays,
 )
-from cache.retention import DEFAULT_RETENTION, RetentionConfig
+from cache.retention import DEFAULT_RETENTION, RetentionConfig, TransferMode
 
 INT_MAX = 2**31 - 1
 
@@ -254,6 +255,7 @@ class GenerationRequest:
         "num_tokens",
         "request_id",
         "retention",
+        "transfer_directory",
     )
 
     def __init__(
@@ -273,6 +275,17 @@ class GenerationRequest:
         }
         self.num_front_blocks_removed: dict[int, int] = dict.fromkeys(window_sizes, 0)
         self.current_prepopulated_prompt_len = INT_MAX
+        # Offloads of this sequence go to files here (GDS / POSIX modes), else to host memory.
+        self.transfer_directory: str | None = None
+        if self.retention.transfer_mode is not TransferMode.DRAM:
+            if self.retention.directory:
+                self.transfer_directory = self.retention.directory
+            else:
+                warnings.warn(
+                    f"request {request_id}: transfer mode {self.retention.transfer_mode.value} "
+                    "without a directory, falling back to DRAM",
+                    stacklevel=3,
+                )
 
     @property
     def decode_retention_priority(self) -> int:

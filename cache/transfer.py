@@ -21,15 +21,24 @@ class Slot:
 
 
 class TransferEngine(Protocol):
-    def copy(self, src: Slot, dst: Slot, num_tokens: int = 0) -> None:
-        """Copy block contents from `src` to `dst` (all token slots when num_tokens is 0)."""
+    def copy(self, src: Slot, dst: Slot, num_tokens: int = 0, directory: str | None = None) -> None:
+        """Copy block contents from `src` to `dst` (all token slots when num_tokens is 0).
+
+        With `directory`, an offload writes the block to files there instead of host memory.
+        """
+
+    def flush(self) -> None:
+        """Issue every queued copy (the manager calls this before it returns)."""
 
     def sync(self) -> None:
         """Wait until every issued copy has completed."""
 
 
 class NoOpTransferEngine:
-    def copy(self, src: Slot, dst: Slot, num_tokens: int = 0) -> None:
+    def copy(self, src: Slot, dst: Slot, num_tokens: int = 0, directory: str | None = None) -> None:
+        pass
+
+    def flush(self) -> None:
         pass
 
     def sync(self) -> None:
@@ -42,6 +51,7 @@ class TransferRecord:
     src: Slot
     dst: Slot
     num_tokens: int
+    directory: str | None = None
 
 
 class RecordingTransferEngine:
@@ -51,16 +61,20 @@ class RecordingTransferEngine:
         self.records: list[TransferRecord] = []
         self._inner = inner
 
-    def copy(self, src: Slot, dst: Slot, num_tokens: int = 0) -> None:
+    def copy(self, src: Slot, dst: Slot, num_tokens: int = 0, directory: str | None = None) -> None:
         if src.is_primary and not dst.is_primary:
             kind: Literal["offload", "onboard", "copy"] = "offload"
         elif not src.is_primary and dst.is_primary:
             kind = "onboard"
         else:
             kind = "copy"
-        self.records.append(TransferRecord(kind, src, dst, num_tokens))
+        self.records.append(TransferRecord(kind, src, dst, num_tokens, directory))
         if self._inner is not None:
-            self._inner.copy(src, dst, num_tokens)
+            self._inner.copy(src, dst, num_tokens, directory)
+
+    def flush(self) -> None:
+        if self._inner is not None:
+            self._inner.flush()
 
     def sync(self) -> None:
         if self._inner is not None:

@@ -124,7 +124,7 @@ class WindowBlockManager:
             node.free_leaf_block()
 
     def get_free_block(
-        self, sequence_id: int, priority: int, duration_s: float | None
+        self, sequence: GenerationRequest, priority: int, duration_s: float | None
     ) -> KVCacheBlock:
         """getFreeBlock: the next victim, offloaded to the secondary level when it may be."""
         policy = self.policy
@@ -140,7 +140,7 @@ class WindowBlockManager:
             and policy.get_num_free_blocks(SECONDARY_LEVEL) > 0
         ):
             offload_block, _ = policy.get_free_block(SECONDARY_LEVEL)
-            self.transfer.copy(_slot(block), _slot(offload_block))
+            self.transfer.copy(_slot(block), _slot(offload_block), 0, sequence.transfer_directory)
             block.swap_memory_pool_block_offset(offload_block)
             if self.events is not None and block.in_radix_tree:
                 self.events.enqueue_updated(
@@ -160,14 +160,15 @@ class WindowBlockManager:
         # A block taken from under a live sequence (rewound or out of window) makes that
         # sequence's store-for-reuse invalid.
         owner = self.block_to_sequence.get(block.block_id)
-        if owner is not None and owner != sequence_id and owner in self.valid_store_for_reuse:
+        rid = sequence.request_id
+        if owner is not None and owner != rid and owner in self.valid_store_for_reuse:
             self.valid_store_for_reuse[owner] = False
-        self.block_to_sequence[block.block_id] = sequence_id
+        self.block_to_sequence[block.block_id] = rid
         return block
 
-    def onboard_block(self, sequence_id: int, offload_block: KVCacheBlock) -> None:
+    def onboard_block(self, sequence: GenerationRequest, offload_block: KVCacheBlock) -> None:
         if self.onboard_blocks and not offload_block.is_primary:
-            block = self.get_free_block(sequence_id, DEFAULT_PRIORITY, None)
+            block = self.get_free_block(sequence, DEFAULT_PRIORITY, None)
             self.transfer.copy(_slot(offload_block), _slot(block))
             offload_block.swap_memory_pool_block_offset(block)
             if self.events is not None:
@@ -179,12 +180,12 @@ class WindowBlockManager:
                 )
             self.policy.release_block(block)  # `block` now owns the secondary slot
 
-    def offload_block(self, block: KVCacheBlock) -> None:
+    def offload_block(self, block: KVCacheBlock, directory: str | None = None) -> None:
         """Move a primary block's contents to a free secondary slot (out-of-window blocks)."""
         if self.onboard_blocks and block.is_primary:
             offload, _ = self.policy.get_free_block(SECONDARY_LEVEL)
             self.policy.claim_block(offload)
-            self.transfer.copy(_slot(block), _slot(offload))
+            self.transfer.copy(_slot(block), _slot(offload), 0, directory)
             block.swap_memory_pool_block_offset(offload)
             if self.events is not None and block.in_radix_tree:
                 self.events.enqueue_updated(
@@ -320,7 +321,6 @@ class WindowBlockManager:
         sequence: GenerationRequest,
         per_block: list[Retention],
     ) -> int:
-        rid = sequence.request_id
         tpb = self.tokens_per_block
         policy = self.policy
         events = self.events
@@ -355,7 +355,7 @@ class WindowBlockManager:
                 if partial:
                     if match.ref_count > 0 or match.next_blocks:
                         # Someone uses it or it has children: copy the reusable tokens.
-                        new_block = self.get_free_block(rid, match.priority, match.duration_s)
+                        new_block = self.get_free_block(sequence, match.priority, match.duration_s)
                         self.transfer.copy(_slot(match), _slot(new_block), num_matched)
                         match = new_block
                         match.set_block_key(keys[ki], len(keys[ki].tokens) == tpb)
@@ -369,13 +369,13 @@ class WindowBlockManager:
                     policy.claim_block(match, priority, duration)
                     search_root = match
                 if not match.is_primary:
-                    self.onboard_block(rid, match)
+                    self.onboard_block(sequence, match)
                 self.add_block_to_all_beams(match, sequence)
                 self.reused_blocks += 1
                 ki += 1
             else:
                 block = self.get_free_block(
-                    rid, DEFAULT_PRIORITY if priority is None else priority, duration
+                    sequence, DEFAULT_PRIORITY if priority is None else priority, duration
                 )
                 self.add_block_to_all_beams(block, sequence)
                 search_root = None
@@ -392,7 +392,7 @@ class WindowBlockManager:
             priority, duration = per_block[bi]
             for beam in range(beam_width):
                 block = self.get_free_block(
-                    rid, DEFAULT_PRIORITY if priority is None else priority, duration
+                    sequence, DEFAULT_PRIORITY if priority is None else priority, duration
                 )
                 self.add_block_to_beam(block, sequence, beam)
                 if ki < num_keys:
@@ -429,12 +429,12 @@ class WindowBlockManager:
             )
         priority, duration = sequence.decode_retention_priority, sequence.decode_duration_s
         if share_among_beams:
-            block = self.get_free_block(sequence.request_id, priority, duration)
+            block = self.get_free_block(sequence, priority, duration)
             for beam in range(beam_width):
                 self.add_block_to_beam(block, sequence, beam)
         else:
             for beam in range(beam_width):
-                block = self.get_free_block(sequence.request_id, priority, duration)
+                block = self.get_free_block(sequence, priority, duration)
                 self.add_block_to_beam(block, sequence, beam)
 
     def blocks_needed_for_next_token(self, sequence: GenerationRequest) -> int:
@@ -503,7 +503,7 @@ class WindowBlockManager:
                 if child is not None and key.tokens and (child.key is key or child.key == key):
                     search_root = child
                     if pin_blocks:
-                        child.ref_count += 1
+                        self._pin(child)
                         pinned.append(child.block_id)
                     continue
                 need_match = False
@@ -517,11 +517,18 @@ class WindowBlockManager:
             stored.append(block)
             search_root = block
             if pin_blocks:
-                block.ref_count += 1
+                self._pin(block)
                 pinned.append(block.block_id)
         if self.events is not None:
             self.events.enqueue_stored(stored, self.window_size)
         return len(stored), pinned
+
+    def _pin(self, block: KVCacheBlock) -> None:
+        """Add a reference; a free (cached) block leaves its free queue first, so it is not
+        counted free while pinned (the "ghost free block" newer TensorRT-LLM fixed)."""
+        if block.ref_count == 0 and block.q_level >= 0:
+            self.policy.claim_block(block, block.priority, block.duration_s)
+        block.ref_count += 1
 
     def store_context_blocks(self, sequence: GenerationRequest, request: LlmRequest) -> None:
         tpb = self.tokens_per_block
@@ -618,7 +625,7 @@ class WindowBlockManager:
             )
         ids_per_beam = sequence.cache_block_ids[self.window_size]
         for beam in range(beam_width):
-            block = self.get_free_block(sequence.request_id, DEFAULT_PRIORITY, None)
+            block = self.get_free_block(sequence, DEFAULT_PRIORITY, None)
             block.ref_count += 1
             ids = ids_per_beam[beam]
             block.prev_block_in_seq = self.blocks[ids[block_index - 1]] if block_index > 0 else None
