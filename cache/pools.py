@@ -75,6 +75,10 @@ def allocate(
             pool.secondary = torch.zeros(
                 (num_secondary, *shape), dtype=dtype, device="cpu", pin_memory=pin
             )
+        # Touch every page now: a lazily mapped pool would fault on the first offload.
+        for tensor in (pool.primary, pool.secondary):
+            if tensor is not None and not tensor.is_cuda:
+                tensor.zero_()
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,13 +195,21 @@ class TorchTransferEngine:
 
 
 def _runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
-    """Maximal runs (src start, dst start, length) where both sides advance by one."""
+    """Maximal runs (src start, dst start, length) of pairs that one narrow copy can move: both
+    sides step by +1, or both by -1 (a descending run is the same copy read backwards)."""
     a = np.asarray(src, dtype=np.int64)
     b = np.asarray(dst, dtype=np.int64)
-    breaks = np.flatnonzero((np.diff(a) != 1) | (np.diff(b) != 1)) + 1
+    da, db = np.diff(a), np.diff(b)
+    step = np.where((da == db) & (np.abs(da) == 1), da, 0)
+    # a run continues while the step stays the same non-zero value
+    breaks = np.flatnonzero((step == 0) | (np.concatenate(([0], step[:-1])) * step < 0)) + 1
     starts = np.concatenate(([0], breaks))
     ends = np.concatenate((breaks, [len(a)]))
-    return list(zip(a[starts].tolist(), b[starts].tolist(), (ends - starts).tolist(), strict=True))
+    runs = []
+    for s, e in zip(starts.tolist(), ends.tolist(), strict=True):
+        first = s if e - s == 1 or a[s + 1] > a[s] else e - 1
+        runs.append((int(a[first]), int(b[first]), e - s))
+    return runs
 
 
 def _copy_blocks(
@@ -224,12 +236,29 @@ def _copy_blocks(
         dst.view(shape)[di, :, :, :, :num_tokens] = part
         return
     runs = _runs(src_idx, dst_idx)
-    if len(runs) * 4 <= len(src_idx) or len(src_idx) <= 4:
+    if len(runs) * 4 <= len(src_idx) or len(src_idx) <= 2:
         for s, d, n in runs:
             dst.narrow(0, d, n).copy_(src.narrow(0, s, n), non_blocking=True)
         return
-    gathered = src.index_select(0, torch.tensor(src_idx, device=src.device))
-    dst.index_copy_(0, torch.tensor(dst_idx, device=dst.device), gathered.to(dst.device))
+    # One indexed copy: gather straight into a contiguous destination range, or scatter from a
+    # contiguous source range; a gather and a scatter only when both sides are scattered.
+    n = len(src_idx)
+    same_device = src.device == dst.device
+    if same_device and _is_range(dst_idx):
+        index = torch.tensor(src_idx, device=src.device)
+        torch.index_select(src, 0, index, out=dst.narrow(0, dst_idx[0], n))
+    elif _is_range(src_idx):
+        part = src.narrow(0, src_idx[0], n).to(dst.device, non_blocking=True)
+        dst.index_copy_(0, torch.tensor(dst_idx, device=dst.device), part)
+    else:
+        gathered = src.index_select(0, torch.tensor(src_idx, device=src.device))
+        dst.index_copy_(0, torch.tensor(dst_idx, device=dst.device), gathered.to(dst.device))
+
+
+def _is_range(index: Sequence[int]) -> bool:
+    """True when the slots are consecutive and ascending."""
+    a = np.asarray(index, dtype=np.int64)
+    return len(a) > 0 and bool((np.diff(a) == 1).all())
 
 
 KV_CACHE_INDEX_SENTINEL = 2**31 - 1  # unused slots of a block offset table

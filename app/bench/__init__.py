@@ -19,7 +19,9 @@ __all__ = ["BENCHMARKS", "Benchmark", "load_benchmark"]
 Benchmark = Callable[[argparse.Namespace], dict[str, Any]]
 
 BENCHMARKS: dict[str, str] = {
+    "index": "app.bench.index:run",
     "manager": "app.bench.manager:run",
+    "transfer": "app.bench.transfer:run",
     "redis": "app.bench.redis_rtt:run",
 }
 
