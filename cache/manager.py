@@ -491,6 +491,14 @@ class KVCacheManager:
             pinned = wm.store_blocks_for_reuse(sequence, request, pin_blocks)
         return pinned
 
+    def replace_shared_block(
+        self, request_id: int, block_index: int, window_size: int | None = None
+    ) -> None:
+        """Beam search divergence: give every beam its own copy of a shared block."""
+        wm = self._window(window_size)
+        wm.replace_shared_block(self._sequence(request_id), block_index)
+        self._flush_transfers()
+
     def pin_blocks(self, request_id: int) -> None:
         sequence = self._sequence(request_id)
         for wm in self.windows.values():
