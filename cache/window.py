@@ -150,12 +150,8 @@ class WindowBlockManager:
             policy.claim_block(block)  # keeps its priority, loses its duration
             policy.release_block(block)  # now into the secondary queue
             block = offload_block
-        if block.next_blocks:
-            self._free_children(block)
-        elif block.prev_block is not None:  # a cached leaf, the usual victim
-            if self.events is not None and block.key.tokens:
-                self.events.enqueue_removed(block.hash, self.window_size)
-            block.free_leaf_block()
+        if block.prev_block is not None or block.next_blocks:
+            self._free_children(block)  # a cached block: it leaves the tree, with its subtree
         policy.claim_block(block, priority, duration_s)
         # A block taken from under a live sequence (rewound or out of window) makes that
         # sequence's store-for-reuse invalid.
