@@ -89,6 +89,8 @@ class RetentionConfig:
     ) -> list[tuple[int | None, float | None]]:
         """getPerBlockRetentionPriorityDuration: (priority, duration) per block, None when unset."""
         num_blocks = -(-sequence_length // tokens_per_block)
+        if not self._sorted:
+            return [(None, None)] * num_blocks
         result: list[tuple[int | None, float | None]] = []
         for block in range(num_blocks):
             first = block * tokens_per_block

@@ -326,6 +326,10 @@ class WindowBlockManager:
         num_shared = num_context_blocks - 1 if beam_width > 1 else num_context_blocks
         num_keys = len(keys)
         ki = 0
+        # Beam width 1 appends inline (add_block_to_all_beams, without the calls).
+        beam0_ids = sequence.cache_block_ids[self.window_size][0]
+        allocated = self.allocated_blocks_per_seq[sequence.request_id]
+        last_block: KVCacheBlock | None = self.blocks[beam0_ids[-1]] if beam0_ids else None
         for bi in range(num_shared):
             priority, duration = per_block[bi]
             match: KVCacheBlock | None = None
@@ -366,14 +370,28 @@ class WindowBlockManager:
                     search_root = match
                 if not match.is_primary:
                     self.onboard_block(sequence, match)
-                self.add_block_to_all_beams(match, sequence)
+                if beam_width == 1:
+                    match.ref_count += 1
+                    match.prev_block_in_seq = last_block
+                    beam0_ids.append(match.block_id)
+                    allocated.append(match)
+                    last_block = match
+                else:
+                    self.add_block_to_all_beams(match, sequence)
                 self.reused_blocks += 1
                 ki += 1
             else:
                 block = self.get_free_block(
                     sequence, DEFAULT_PRIORITY if priority is None else priority, duration
                 )
-                self.add_block_to_all_beams(block, sequence)
+                if beam_width == 1:
+                    block.ref_count += 1
+                    block.prev_block_in_seq = last_block
+                    beam0_ids.append(block.block_id)
+                    allocated.append(block)
+                    last_block = block
+                else:
+                    self.add_block_to_all_beams(block, sequence)
                 search_root = None
                 if ki < num_keys:
                     block.set_block_key(keys[ki], len(keys[ki].tokens) == tpb)
