@@ -124,6 +124,29 @@ class LlmRequest:
         if self.extra_ids is not None:
             self.extra_ids.append(0)
 
+    def remove_tokens(self, num_tokens: int) -> None:
+        """Drop the last `num_tokens` tokens (speculative decoding rejected them).
+
+        Tokens are otherwise append-only: the keys and hashes cached for full blocks rely on it,
+        so shortening the token list any other way must be followed by this call's cache trim.
+        """
+        if not 0 <= num_tokens <= len(self.tokens):
+            raise ValueError(
+                f"request {self.request_id}: cannot remove {num_tokens} "
+                f"of {len(self.tokens)} tokens"
+            )
+        del self.tokens[len(self.tokens) - num_tokens :]
+        if self.extra_ids is not None:
+            del self.extra_ids[len(self.extra_ids) - num_tokens :]
+        self._trim_caches()
+
+    def _trim_caches(self) -> None:
+        """Forget cached keys and hashes of blocks the token list no longer fills."""
+        for (tokens_per_block, encoder), cache in self._key_cache.items():
+            del cache[len(self._source(encoder)[0]) // tokens_per_block :]
+        for (tokens_per_block, encoder), hashes in self._hash_cache.items():
+            del hashes[len(self._source(encoder)[0]) // tokens_per_block :]
+
     def set_prepopulated_prompt_len(self, length: int) -> None:
         self.prepopulated_prompt_len = length
         self.context_current_position = length
@@ -147,6 +170,8 @@ class LlmRequest:
         usable = max(0, min(usable, len(tokens)))
         num_full = usable // tokens_per_block
         cache = self._key_cache.setdefault((tokens_per_block, encoder), [])
+        if len(cache) * tokens_per_block > len(tokens):
+            self._trim_caches()  # the token list was shortened behind our back
         if len(cache) < num_full:
             cache.extend(
                 self._make_keys(
@@ -207,6 +232,8 @@ class LlmRequest:
         usable = max(0, min(usable, len(tokens)))
         num_full = usable // tokens_per_block
         cache = self._hash_cache.setdefault((tokens_per_block, encoder), [])
+        if len(cache) * tokens_per_block > len(tokens):
+            self._trim_caches()
         if len(cache) < num_full:
             done = len(cache)
             start = done * tokens_per_block

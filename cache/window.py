@@ -522,6 +522,12 @@ class WindowBlockManager:
                     continue
                 need_match = False
             block = blocks[i]
+            if block.prev_block is not None or block.next_blocks:
+                # Stored before under another key (a partial block that has grown since, or
+                # tokens rewritten after a rewind): its old entry, and anything below it, no
+                # longer describe its contents. The seed keeps the stale entry and later fails
+                # to evict the parent; we drop it and report it removed.
+                self._free_children(block)
             block.set_block_key(key, len(key.tokens) == tpb)
             block.prev_block = search_root
             block.prev_block_in_seq = search_root

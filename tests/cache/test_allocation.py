@@ -179,3 +179,37 @@ def test_r6_stats_count_takes_from_the_pool() -> None:
     assert (stats.reused_blocks, stats.missed_blocks) == (2, 4)
     assert stats.used_num_blocks == 3
     assert stats.num_free_blocks_per_window_size == {1024: 5}
+
+
+def test_a_block_stored_partial_and_grown_is_stored_again_cleanly() -> None:
+    """store_blocks_for_reuse on a live sequence stores its partial last block; when that block
+    fills up and is stored again, its old entry goes (reported removed) and eviction works."""
+    mgr = make_manager(4, events=64)
+    r = req(0, range(7))
+    mgr.add_sequence(r)
+    mgr.store_blocks_for_reuse(0, r)  # [0-3] and the partial [4, 5]
+    stored = [e for e in mgr.take_events() if e.type == "stored"]
+    old_hash = stored[0].data.blocks[1].block_hash  # type: ignore[union-attr]
+    add_tokens(mgr, r, [7, 8])  # the block now holds [4, 5, 6, 7]
+    mgr.remove_sequence(0, r)
+    events = [e.to_dict()["data"] for e in mgr.take_events()]
+    assert [e["type"] for e in events] == ["removed", "stored"]
+    assert events[0]["block_hashes"] == [old_hash]
+    assert [len(b["tokens"]) for b in events[1]["blocks"]] == [4]
+    assert len(mgr.windows[1024].blocks[0].next_blocks) == 1
+    mgr.add_sequence(req(1, range(100, 116)))  # evicts both: no stale entry left behind
+    assert mgr.windows[1024].tree_blocks() == []
+
+
+def test_request_remove_tokens_trims_cached_keys_and_hashes() -> None:
+    r = req(0, range(12))
+    assert len(r.block_keys(4, 12, False)) == 3
+    r.remove_tokens(5)
+    for t in (70, 71, 72, 73, 74):
+        r.add_new_token(t)
+    keys = r.block_keys(4, 12, False)
+    assert [k.tokens for k in keys] == [(0, 1, 2, 3), (4, 5, 6, 70), (71, 72, 73, 74)]
+    fresh = req(1, [*range(7), 70, 71, 72, 73, 74])
+    assert r.block_hashes(4, 12, False) == fresh.block_hashes(4, 12, False)
+    with pytest.raises(ValueError, match="cannot remove 13 of 12 tokens"):
+        r.remove_tokens(13)
