@@ -89,7 +89,15 @@ class KVCacheManager:
         clock: Callable[[], float] | None = None,
         transfer_engine: TransferEngine | None = None,
         sink_token_length: int = 0,
+        report_leaf_takeover: bool = False,
     ) -> None:
+        """See DESIGN.md 1.1 for the arguments. Beyond the seed:
+
+        `transfer_engine` moves block contents when `allocate_pools` is False (default: none);
+        `report_leaf_takeover` emits a Removed event when a request takes a cached leaf over
+        for partial reuse. The seed stays silent there (TensorRT-LLM does too), which leaves
+        the old hash in every consumer's index; a worker feeding a cluster index turns it on.
+        """
         if tokens_per_block <= 0:
             raise ValueError(f"tokens_per_block must be positive, got {tokens_per_block}")
         if num_layers <= 0:
@@ -152,6 +160,7 @@ class KVCacheManager:
                 copy_on_partial_reuse=copy_on_partial_reuse,
                 transfer=engine or NoOpTransferEngine(),
                 clock=self.clock,
+                report_leaf_takeover=report_leaf_takeover,
             )
             self.max_token_num[window] = max(window, max_sequence_length)
         self.sequences: dict[int, GenerationRequest] = {}

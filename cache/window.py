@@ -45,6 +45,7 @@ class WindowBlockManager:
         copy_on_partial_reuse: bool,
         transfer: TransferEngine,
         clock: object = None,
+        report_leaf_takeover: bool = False,
     ) -> None:
         if num_primary_blocks <= 0:
             raise ValueError(f"window {window_size}: need at least one primary block")
@@ -58,6 +59,7 @@ class WindowBlockManager:
         self.onboard_blocks = onboard_blocks
         self.enable_partial_reuse = enable_partial_reuse
         self.copy_on_partial_reuse = copy_on_partial_reuse
+        self.report_leaf_takeover = report_leaf_takeover
         self.transfer = transfer
         self.events = event_manager
         self.blocks: list[KVCacheBlock] = [
@@ -361,7 +363,10 @@ class WindowBlockManager:
                         match.set_block_key(keys[ki], len(keys[ki].tokens) == tpb)
                         match.hash = hashes[ki]
                     else:
-                        # An unreferenced leaf: take it over privately (no Removed event).
+                        # An unreferenced leaf: take it over privately. The seed reports
+                        # nothing; consumers that must stay exact ask for a Removed event.
+                        if self.report_leaf_takeover and events is not None:
+                            events.enqueue_removed(match.hash, self.window_size)
                         match.free_leaf_block()
                         policy.claim_block(match, priority, duration)
                     search_root = None

@@ -256,3 +256,15 @@ def test_to_dict_from_dict_round_trip() -> None:
     assert [KVCacheEvent.from_dict(e.to_dict()).to_dict() for e in events] == [
         e.to_dict() for e in events
     ]
+
+
+def test_leaf_takeover_is_silent_unless_asked() -> None:
+    for report in (False, True):
+        mgr = make_manager(8, events=64, report_leaf_takeover=report)
+        a = req(0, range(7))
+        mgr.add_sequence(a)
+        mgr.remove_sequence(0, a)  # stores [0-3] and the partial leaf [4, 5]
+        leaf = drain(mgr)[-1]["data"]["blocks"][-1]["block_hash"]
+        mgr.add_sequence(req(1, range(8)))  # takes the leaf over for partial reuse
+        expected = [{"type": "removed", "block_hashes": [leaf]}] if report else []
+        assert [e["data"] for e in drain(mgr)] == expected
