@@ -80,6 +80,7 @@ def test_leading_blocks_per_worker() -> None:
     assert index.worker_blocks("c") == {H[0]: 0, H[1]: 0, H[3]: 0, H[4]: 0}
     assert index.workers() == ["a", "b", "c"]
     assert len(index) == 6
+    assert index.approx_bytes() > 6 * 36  # at least the six hash keys
 
 
 def test_monotone_variant_agrees_where_presence_is_monotone() -> None:
