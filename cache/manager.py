@@ -95,8 +95,9 @@ class KVCacheManager:
 
         `transfer_engine` moves block contents when `allocate_pools` is False (default: none);
         `report_leaf_takeover` emits a Removed event when a request takes a cached leaf over
-        for partial reuse. The seed stays silent there (TensorRT-LLM does too), which leaves
-        the old hash in every consumer's index; a worker feeding a cluster index turns it on.
+        for partial reuse (and then no Updated if that leaf is onboarded). The seed stays
+        silent there (TensorRT-LLM does too), which leaves the old hash in every consumer's
+        index; a worker feeding a cluster index turns it on.
         """
         if tokens_per_block <= 0:
             raise ValueError(f"tokens_per_block must be positive, got {tokens_per_block}")

@@ -169,7 +169,11 @@ class WindowBlockManager:
             block = self.get_free_block(sequence, DEFAULT_PRIORITY, None)
             self.transfer.copy(_slot(offload_block), _slot(block))
             offload_block.swap_memory_pool_block_offset(block)
-            if self.events is not None:
+            # The seed reports every onboard; an exact stream skips blocks no longer in the tree
+            # (a leaf just taken over, already reported removed).
+            if self.events is not None and (
+                offload_block.prev_block is not None or not self.report_leaf_takeover
+            ):
                 self.events.enqueue_updated(
                     UpdatedData(
                         offload_block.hash, cache_level=EventDiff(SECONDARY_LEVEL, PRIMARY_LEVEL)
