@@ -108,11 +108,24 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--quick", action="store_true", help="a small run (for tests)")
     bench.set_defaults(handler=_cmd_bench)
 
-    ingest = sub.add_parser("ingest", help="publish TensorRT-LLM KV event JSON to the stream")
-    ingest.add_argument("source", nargs="?", default="-", help="file of events, or - for stdin")
-    ingest.add_argument("--worker-id", required=True, help="worker the events belong to")
-    _add_redis_flag(ingest)
-    ingest.set_defaults(handler=_not_implemented)
+    ingest = sub.add_parser("ingest", help="republish another engine's KV events to the stream")
+    ingest_sub = ingest.add_subparsers(dest="source", metavar="SOURCE", required=True)
+    trtllm = ingest_sub.add_parser(
+        "trtllm", help="poll a TensorRT-LLM server's POST /kv_cache_events"
+    )
+    trtllm.add_argument("--url", required=True, help="the server, e.g. http://gpu3:8000")
+    trtllm.add_argument("--worker-id", required=True, help="worker id to publish the events as")
+    trtllm.add_argument(
+        "--tokens-per-block", type=int, default=None, help="the engine's block size (registry)"
+    )
+    trtllm.add_argument(
+        "--poll-interval-s", type=float, default=0.05, help="pause after an empty answer"
+    )
+    trtllm.add_argument(
+        "--max-polls", type=int, default=None, help="stop after this many polls (default: never)"
+    )
+    _add_redis_flag(trtllm)
+    trtllm.set_defaults(handler=_cmd_ingest_trtllm)
 
     return parser
 
@@ -161,6 +174,39 @@ def _format_table(title: str, result: dict[str, Any]) -> str:
     lines = [f"benchmark: {title}"]
     lines += [f"  {key:<{width}}  {value}" for key, value in rows]
     return "\n".join(lines)
+
+
+# -- ingest --------------------------------------------------------------------------------
+
+
+def _cmd_ingest_trtllm(args: argparse.Namespace) -> int:
+    from app.ingest import run_trtllm_ingest
+    from events.keys import validate_worker_id
+
+    redis_url = args.redis_url or Settings().redis_url
+    if redis_url is None:
+        print("kvmesh ingest: give --redis-url or set REDIS_URL", file=sys.stderr)
+        return 2
+    try:
+        validate_worker_id(args.worker_id)
+    except ValueError as exc:
+        print(f"kvmesh ingest: {exc}", file=sys.stderr)
+        return 2
+    try:
+        stats = asyncio.run(
+            run_trtllm_ingest(
+                args.url,
+                args.worker_id,
+                redis_url,
+                tokens_per_block=args.tokens_per_block,
+                poll_interval_s=args.poll_interval_s,
+                max_polls=args.max_polls,
+            )
+        )
+    except KeyboardInterrupt:
+        return 130
+    print(json.dumps(stats, sort_keys=True))
+    return 0
 
 
 # -- demo ----------------------------------------------------------------------------------

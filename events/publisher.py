@@ -580,6 +580,7 @@ class EventPublisher:
         except BaseException:
             self._need_snapshot = True
             raise
+        epoch = self.epoch
         entries = self._take_entries()
         carry, self._carry_dropped = self._carry_dropped, 0
         fields: list[dict[str, bytes | str | int]] = []
@@ -615,7 +616,8 @@ class EventPublisher:
         except BaseException:
             if snapshot is not None:
                 self._need_snapshot = True
-            self._put_back(entries, carry)
+            if self.epoch == epoch:  # else new_epoch() came meanwhile: these are history
+                self._put_back(entries, carry)
             raise
         finally:
             self._inflight = False

@@ -57,7 +57,6 @@ def test_bad_usage_prints_usage_and_exits_2(
         ["router", "--port", "8000"],
         ["dashboard"],
         ["replay", "trace.jsonl"],
-        ["ingest", "--worker-id", "w0", "events.json"],
     ],
 )
 def test_unwritten_services_say_so_and_exit_1(
