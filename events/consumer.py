@@ -9,7 +9,8 @@ One task does everything, in a loop, so the index has a single writer:
    expired leaves the index (``remove_worker``) until it beats again;
 3. resynchronise the workers that need it (below);
 4. one blocking ``XREAD`` over the streams of every synchronised worker (``block_ms``, at most
-   ``count`` entries per stream), and apply what it returns.
+   ``count`` entries per stream), and apply what it returns (with the cyclic garbage collector
+   paused while it does, unless ``pause_gc=False``: decoding makes many short-lived objects).
 
 Per worker it keeps the epoch, the last event id applied (``last_seq``), the id of the snapshot
 it started from and its position in the stream. For each entry, in stream order:
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import logging
 import random
@@ -131,6 +133,7 @@ class EventConsumer:
         backoff_initial_s: float = 0.02,
         backoff_max_s: float = 2.0,
         on_entry: EntryHook | None = None,
+        pause_gc: bool = True,
     ) -> None:
         if block_ms <= 0 or count <= 0 or max_entry_bytes <= 0:
             raise ValueError("block_ms, count and max_entry_bytes must be positive")
@@ -151,6 +154,7 @@ class EventConsumer:
         self.backoff_initial_s = backoff_initial_s
         self.backoff_max_s = backoff_max_s
         self.on_entry = on_entry
+        self.pause_gc = pause_gc
 
         self._workers: dict[str, WorkerState] = {}
         self._by_key: dict[bytes, WorkerState] = {}
@@ -322,10 +326,20 @@ class EventConsumer:
             count=self.count,
             block=self.block_ms,
         )
-        for key, entries in reply:
-            target = self._by_key.get(key)
-            if target is not None and target.synced:
-                self._apply_entries(target, entries)
+        # Decoding makes thousands of short-lived objects per entry, all freed by reference
+        # counting: the cyclic collector's passes meanwhile are pure cost (about a fifth of
+        # the time). Nothing awaits in between, so nothing else runs while it is paused.
+        pause_gc = self.pause_gc and gc.isenabled()
+        if pause_gc:
+            gc.disable()
+        try:
+            for key, entries in reply:
+                target = self._by_key.get(key)
+                if target is not None and target.synced:
+                    self._apply_entries(target, entries)
+        finally:
+            if pause_gc:
+                gc.enable()
 
     async def _check_run_id(self) -> None:
         info = await self._redis.info("server")
