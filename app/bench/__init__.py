@@ -19,6 +19,7 @@ __all__ = ["BENCHMARKS", "Benchmark", "load_benchmark"]
 Benchmark = Callable[[argparse.Namespace], dict[str, Any]]
 
 BENCHMARKS: dict[str, str] = {
+    "events": "app.bench.events:run",
     "index": "app.bench.index:run",
     "manager": "app.bench.manager:run",
     "transfer": "app.bench.transfer:run",
