@@ -330,6 +330,7 @@ class EventPublisher:
                     self.worker_id,
                     sum(len(b.events) for b in self._buffer),
                 )
+                self._flusher.cancel()
         self._stop.set()
         if self._tasks:
             _, pending = await asyncio.wait(self._tasks, timeout=self.close_timeout_s)
@@ -352,7 +353,8 @@ class EventPublisher:
     def publish(
         self, events: Sequence[KVCacheEvent], *, dropped: int = 0, ts_us: int | None = None
     ) -> None:
-        """Queue a batch (never waits). ``dropped``: events lost just before it, upstream."""
+        """Queue a batch (never waits; call it on the event loop's thread). ``dropped``: events
+        lost just before it, upstream. The batch is kept as it is, not copied."""
         if self._closing:
             raise RuntimeError("the publisher is closed")
         if dropped < 0:
