@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from itertools import pairwise
 from typing import Any
 
 import pytest
@@ -227,3 +228,17 @@ async def test_drive_helper_runs_a_workload(clean_redis_url: str) -> None:
         assert publisher.last_seq == last_event_id(workload)
     envelopes = await read_stream(clean_redis_url, "w0")
     assert envelopes[-1].seq_last == last_event_id(workload)
+
+
+async def test_entries_over_max_entry_bytes_are_split(clean_redis_url: str) -> None:
+    publisher = EventPublisher(clean_redis_url, "w0", max_entry_bytes=600, linger_s=0)
+    async with publisher:
+        big = [2**64 - 1 - i for i in range(20)]  # 9 bytes each in msgpack: ~190 per event
+        publisher.publish([KVCacheEvent(i, RemovedData(big), 64) for i in range(12)])
+        await publisher.flush(5)
+    envelopes = await read_stream(clean_redis_url, "w0")
+    assert len(envelopes) > 1
+    assert all(len(e.data) + 256 <= 600 for e in envelopes)
+    assert [ev.event_id for e in envelopes for ev in e.events()] == list(range(12))
+    assert all(e.seq_first == prev.seq_last + 1 for prev, e in pairwise(envelopes))
+    assert publisher.num_dropped == 0
