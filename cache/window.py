@@ -379,37 +379,31 @@ class WindowBlockManager:
                     search_root = match
                 if not match.is_primary:
                     self.onboard_block(sequence, match)
-                if beam_width == 1:
-                    match.ref_count += 1
-                    match.prev_block_in_seq = last_block
-                    beam0_ids.append(match.block_id)
-                    allocated.append(match)
-                    last_block = match
-                else:
-                    self.add_block_to_all_beams(match, sequence)
+                block = match
                 self.reused_blocks += 1
-                ki += 1
             else:
                 block = self.get_free_block(
                     sequence, DEFAULT_PRIORITY if priority is None else priority, duration
                 )
-                if beam_width == 1:
-                    block.ref_count += 1
-                    block.prev_block_in_seq = last_block
-                    beam0_ids.append(block.block_id)
-                    allocated.append(block)
-                    last_block = block
-                else:
-                    self.add_block_to_all_beams(block, sequence)
                 search_root = None
+                match = None
+                self.missed_blocks += 1
+            if beam_width == 1:  # add_block_to_all_beams, inlined for the usual case
+                block.ref_count += 1
+                block.prev_block_in_seq = last_block
+                beam0_ids.append(block.block_id)
+                allocated.append(block)
+                last_block = block
+            else:
+                self.add_block_to_all_beams(block, sequence)
+            if match is None:  # a fresh block takes the key of its position
                 if ki < num_keys:
                     block.set_block_key(keys[ki], len(keys[ki].tokens) == tpb)
                     block.hash = hashes[ki]
-                    ki += 1
                 else:
                     prev = block.prev_block_in_seq
                     block.hash = block_key_hash(block.key, prev.hash if prev else 0)
-                self.missed_blocks += 1
+            ki += 1
         # The last context block of a beam search is written by every beam: one per beam.
         for bi in range(num_shared, num_context_blocks):
             priority, duration = per_block[bi]
