@@ -5,10 +5,10 @@ The transport is measured, not the managers: the event batches are *pre-generate
 on) each run the workload of ``kvmesh bench manager`` -- requests of 4,096 tokens whose first
 2,048 are one of 10 shared prefixes, 8 live at once, each removed with store-for-reuse -- and
 every ``take_events()`` after an ``add_sequence`` or a removal is kept as one batch. That gives
-the mix a worker publishes: stored events of up to 128 blocks with their tokens, removals,
+the mix a worker publishes: stored events of up to 256 blocks with their tokens, removals,
 offload/onboard updates. Not timed.
 
-Then, for each of two phases, with fresh worker ids and fresh managers:
+Then, for each of three phases, with fresh worker ids and fresh managers:
 
 * the consumer runs in its own process (``multiprocessing``, fork): an ``EventConsumer`` with a
   ``PrefixIndex``, following the four workers through the registry;
@@ -19,14 +19,22 @@ Then, for each of two phases, with fresh worker ids and fresh managers:
 
 Phase 1, throughput: the batches are published as fast as the loop allows.
 ``block_events_per_s`` = stored blocks + removed hashes applied in the consumer's index, divided
-by the time from the first ``publish()`` to the last entry applied. Phase 2, latency: the
-publishers are paced to 10,000 block events/s in all (2,500 each, each batch published when its
-share of the schedule is due); for every stream entry the consumer applies, one sample: the time
-from the ``publish()`` of the oldest batch in the entry to the moment the entry's events are in
-the index (so a sample is the worst latency of the batches in its entry). ``latency_p50_ms``,
-``latency_p99_ms``. Both phases end by checking that the consumer's index equals each manager's
-final reuse tree, block by block and tier by tier (``index_exact``); the run fails otherwise,
-or if anything was dropped or resynchronised.
+by the time from the first ``publish()`` to the last entry applied.
+
+Phase 1b, the same without the host tier (``block_events_per_s_gpu_only``): the evictions of a
+request are then one ``removed`` event, instead of an ``updated`` (offload) event and a one-hash
+``removed`` event per evicted block, so the consumer decodes about a hundredth of the events for
+the same number of block events. Decoding is most of the consumer's time, per event.
+
+Phase 2, latency: the publishers are paced to 10,000 block events/s in all (2,500 each, each
+batch published when its share of the schedule is due); for every stream entry the consumer
+applies, one sample: the time from the ``publish()`` of the oldest batch in the entry to the
+moment the entry's events are in the index (so a sample is the worst latency of the batches in
+its entry). ``latency_p50_ms``, ``latency_p99_ms``.
+
+Every phase ends by checking that the consumer's index equals each manager's final reuse tree,
+block by block and tier by tier (``index_exact``); the run fails otherwise, or if anything was
+dropped or resynchronised on the way.
 """
 
 from __future__ import annotations
@@ -97,13 +105,13 @@ def _block_count(events: Sequence[KVCacheEvent]) -> int:
     return total
 
 
-def _make_manager() -> KVCacheManager:
+def _make_manager(secondary_blocks: int) -> KVCacheManager:
     return KVCacheManager(
         num_layers=2,
         num_kv_heads=2,
         head_dim=8,
         tokens_per_block=TOKENS_PER_BLOCK,
-        blocks_per_window={TOKENS_PER_REQUEST: (PRIMARY_BLOCKS, SECONDARY_BLOCKS)},
+        blocks_per_window={TOKENS_PER_REQUEST: (PRIMARY_BLOCKS, secondary_blocks)},
         max_num_sequences=MAX_LIVE,
         max_attention_window=[TOKENS_PER_REQUEST],
         max_sequence_length=TOKENS_PER_REQUEST,
@@ -114,14 +122,19 @@ def _make_manager() -> KVCacheManager:
 
 
 def record(
-    worker_id: str, seed: int, *, min_block_events: int = 0, num_requests: int = 0
+    worker_id: str,
+    seed: int,
+    *,
+    min_block_events: int = 0,
+    num_requests: int = 0,
+    secondary_blocks: int = SECONDARY_BLOCKS,
 ) -> Recording:
     """Run the workload on a fresh manager until both limits are reached; keep the batches."""
     rng = np.random.default_rng(seed)
     prefixes: list[list[int]] = rng.integers(
         0, VOCAB_SIZE, size=(NUM_PREFIXES, PREFIX_TOKENS)
     ).tolist()
-    mgr = _make_manager()
+    mgr = _make_manager(secondary_blocks)
     batches: list[list[KVCacheEvent]] = []
     counts: list[int] = []
     total = 0
@@ -316,6 +329,17 @@ def measure(url: str, *, quick: bool, embedded: bool) -> dict[str, Any]:
         record(f"bench-{run_id}-t{i}", SEED + i, num_requests=throughput_requests)
         for i in range(NUM_WORKERS)
     ]
+    # The same workload without a host tier: evictions then come as one `removed` event per
+    # request instead of an `updated` (offload) plus a `removed` per block.
+    gpu_only = [
+        record(
+            f"bench-{run_id}-g{i}",
+            SEED + i,
+            num_requests=throughput_requests,
+            secondary_blocks=0,
+        )
+        for i in range(NUM_WORKERS)
+    ]
     paced = [
         record(
             f"bench-{run_id}-l{i}",
@@ -327,6 +351,7 @@ def measure(url: str, *, quick: bool, embedded: bool) -> dict[str, Any]:
     generate_seconds = time.perf_counter() - generate_start
 
     throughput = _phase(url, bulk, None)
+    throughput_gpu_only = _phase(url, gpu_only, None)
     latency = _phase(url, paced, LATENCY_RATE)
     samples = latency["latencies_ms"]
     return {
@@ -340,6 +365,14 @@ def measure(url: str, *, quick: bool, embedded: bool) -> dict[str, Any]:
         "throughput_seconds": round(throughput["seconds"], 3),
         "throughput_consumer_cpu_s": round(throughput["cpu_s"], 3),
         "throughput_publisher_cpu_s": round(throughput["publisher_cpu_s"], 3),
+        "throughput_events": sum(len(b) for rec in bulk for b in rec.batches),
+        "block_events_per_s_gpu_only": round(
+            throughput_gpu_only["blocks"] / throughput_gpu_only["seconds"]
+        ),
+        "gpu_only_block_events": throughput_gpu_only["blocks"],
+        "gpu_only_events": sum(len(b) for rec in gpu_only for b in rec.batches),
+        "gpu_only_consumer_cpu_s": round(throughput_gpu_only["cpu_s"], 3),
+        "gpu_only_publisher_cpu_s": round(throughput_gpu_only["publisher_cpu_s"], 3),
         "latency_rate_block_events_per_s": LATENCY_RATE,
         "latency_achieved_block_events_per_s": round(latency["blocks"] / latency["seconds"]),
         "latency_samples": len(samples),

@@ -29,6 +29,12 @@ KEYS = {
     "events_source",
     "workers",
     "generate_seconds",
+    "throughput_events",
+    "block_events_per_s_gpu_only",
+    "gpu_only_block_events",
+    "gpu_only_events",
+    "gpu_only_consumer_cpu_s",
+    "gpu_only_publisher_cpu_s",
 }
 
 
@@ -60,6 +66,10 @@ def test_quick_run_prints_the_json_last(
     assert result["embedded_redis"] is False
     assert result["index_exact"] is True
     assert result["block_events_per_s"] > 0
+    assert result["block_events_per_s_gpu_only"] > 0
+    # Host offload turns most block events into an event of their own; without it, one event
+    # carries a request's evictions.
+    assert result["throughput_events"] > 10 * result["gpu_only_events"]
     assert result["throughput_block_events"] > 4 * 40 * 128
     assert 0 < result["latency_p50_ms"] <= result["latency_p99_ms"] <= result["latency_max_ms"]
     assert result["latency_samples"] > 10
