@@ -136,6 +136,8 @@ class LRUEvictionPolicy:
 
     def release_block(self, block: KVCacheBlock, to_front: bool = False) -> None:
         """Queue a block whose last reference is gone (at the head for rewinds)."""
+        if block.q_level >= 0:
+            raise RuntimeError(f"block {block.block_id} is already free")
         level = PRIMARY_LEVEL if block.is_primary else SECONDARY_LEVEL
         self._enqueue(block, level, block.priority, to_front)
         if block.duration_s is not None and block.priority != DEFAULT_PRIORITY:

@@ -317,7 +317,7 @@ class KVCacheManager:
         input_length = request.encoder_output_len if encoder else request.num_tokens
         if input_length <= 0:
             raise ValueError(f"request {rid} has no tokens")
-        reuse = self.enable_block_reuse and not request.is_dummy
+        reuse = self.enable_block_reuse  # dummies match too; only storing skips them
         sequence = GenerationRequest(
             rid, input_length, request.beam_width, list(self.windows), request.retention
         )
@@ -415,6 +415,11 @@ class KVCacheManager:
         """Grow the sequence by one token, allocating a block at a block boundary."""
         sequence = self._sequence(request_id)
         for window, wm in self.windows.items():
+            if not wm.is_swa and wm.would_leave_window(sequence):
+                raise ValueError(
+                    f"request {request_id}: {sequence.num_tokens + 1} tokens exceed what window "
+                    f"{window} holds (max_sequence_length {self.max_sequence_length})"
+                )
             need = wm.blocks_needed_for_next_token(sequence)
             if need > wm.get_num_free_blocks():
                 raise OutOfBlocksError(

@@ -71,8 +71,9 @@ class LlmRequest:
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         self.request_id = request_id
+        # A copy: generated tokens are appended here, never to the caller's prompt list.
         self.tokens: list[int] = (
-            [int(t) for t in tokens] if not isinstance(tokens, list) else tokens
+            list(tokens) if isinstance(tokens, list) else [int(t) for t in tokens]
         )
         if extra_ids is not None and len(extra_ids) != len(self.tokens):
             raise ValueError(

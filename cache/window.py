@@ -73,6 +73,7 @@ class WindowBlockManager:
         )
         self.allocated_blocks_per_seq: dict[int, list[KVCacheBlock]] = {}
         self.block_to_sequence: dict[int, int] = {}
+        self.pins: dict[int, int] = {}  # block id -> pins not yet undone
         self.valid_store_for_reuse: dict[int, bool] = {}
         self.scheduling_num_free_blocks = 0
         self.alloc_total_blocks = 0
@@ -472,6 +473,12 @@ class WindowBlockManager:
             front += 1
         return max(0, required - freed)
 
+    def would_leave_window(self, sequence: GenerationRequest) -> bool:
+        """Whether one more token pushes a block out of this window (only SWA may detach)."""
+        front = sequence.num_front_blocks_removed[self.window_size]
+        tpb = self.tokens_per_block
+        return sequence.num_tokens + 1 - front * tpb >= self.window_size + tpb
+
     def adjust_blocks_if_needed(self, sequence: GenerationRequest) -> None:
         tpb = self.tokens_per_block
         min_tokens_for_detach = self.window_size + tpb
@@ -505,9 +512,14 @@ class WindowBlockManager:
         blocks: Sequence[KVCacheBlock],
         pin_blocks: bool = False,
         cache_salt: str | None = None,
+        root: KVCacheBlock | None = None,
     ) -> tuple[int, list[int]]:
-        """storeBlocks: insert the blocks not yet in the tree; one Stored event for them all."""
-        search_root = self.root
+        """storeBlocks: insert the blocks not yet in the tree; one Stored event for them all.
+
+        The walk starts at the tree root, or at `root` when the caller knows that the blocks
+        before `keys[0]` are stored and end at `root`.
+        """
+        search_root = self.root if root is None else root
         need_match = True
         stored: list[KVCacheBlock] = []
         pinned: list[int] = []
@@ -552,6 +564,7 @@ class WindowBlockManager:
         if block.ref_count == 0 and block.q_level >= 0:
             self.policy.claim_block(block, block.priority, block.duration_s)
         block.ref_count += 1
+        self.pins[block.block_id] = self.pins.get(block.block_id, 0) + 1
 
     def store_context_blocks(self, sequence: GenerationRequest, request: LlmRequest) -> None:
         tpb = self.tokens_per_block
@@ -567,18 +580,22 @@ class WindowBlockManager:
         usable = request.num_tokens - 1
         if usable % tpb != 0:
             return
-        blocks = self._beam0_blocks(sequence)
+        ids = sequence.cache_block_ids[self.window_size][0]
         keys = request.block_keys(tpb, usable, True)
         hashes = request.block_hashes(tpb, usable, True)
         n = len(keys)
-        if (
-            n >= 2
-            and len(blocks) >= n
-            and blocks[n - 2].prev_block is not None
-            and blocks[n - 1].prev_block is not None
-        ):
-            return  # already stored
-        self.store_blocks(keys, hashes, blocks, False, request.cache_salt)
+        if n >= 2 and len(ids) >= n:
+            prev, last = self.blocks[ids[n - 2]], self.blocks[ids[n - 1]]
+            if prev.prev_block is not None and last.prev_block is not None:
+                return  # already stored
+            if prev.prev_block is not None and prev.hash == hashes[n - 2]:
+                # Everything up to `prev` is stored: walking there from the root would only
+                # retrace it (and cost O(length) at every block boundary).
+                self.store_blocks(
+                    keys[-1:], hashes[-1:], [last], False, request.cache_salt, root=prev
+                )
+                return
+        self.store_blocks(keys, hashes, self._beam0_blocks(sequence), False, request.cache_salt)
 
     def store_blocks_for_reuse(
         self, sequence: GenerationRequest, request: LlmRequest, pin_blocks: bool
@@ -635,23 +652,31 @@ class WindowBlockManager:
         allocated = self.allocated_blocks_per_seq[sequence.request_id]
         if not allocated[(block_index + 1) * beam_width - 1].is_shared:
             return
-        key = allocated[block_index * beam_width].key
-        is_full = allocated[block_index * beam_width].is_full
-        for beam in range(beam_width):
-            block = allocated[block_index * beam_width + beam]
+        shared = allocated[block_index * beam_width : (block_index + 1) * beam_width]
+        # Room first (the seed releases, then checks): blocks whose last references these are
+        # become free before the new ones are taken.
+        drops: dict[int, int] = {}
+        for block in shared:
+            drops[block.block_id] = drops.get(block.block_id, 0) + 1
+        freed = sum(self.blocks[i].ref_count == n for i, n in drops.items())
+        if self.get_num_free_blocks() + freed < beam_width:
+            raise OutOfBlocksError(
+                f"window {self.window_size}: request {sequence.request_id} needs {beam_width} "
+                f"blocks to give each beam its own block {block_index}, "
+                f"{self.get_num_free_blocks() + freed} free"
+            )
+        key, is_full = shared[0].key, shared[0].is_full
+        for block in shared:
             block.dec_ref_count()
             if block.ref_count == 0:
                 self.policy.release_block(block)
-        if not self.has_free_blocks(beam_width):
-            raise OutOfBlocksError(
-                f"window {self.window_size}: no free blocks to replace a shared block"
-            )
         ids_per_beam = sequence.cache_block_ids[self.window_size]
         for beam in range(beam_width):
             block = self.get_free_block(sequence, DEFAULT_PRIORITY, None)
             block.ref_count += 1
             ids = ids_per_beam[beam]
-            block.prev_block_in_seq = self.blocks[ids[block_index - 1]] if block_index > 0 else None
+            # as the seed: the beam's last block, which only feeds this unstored block's hash
+            block.prev_block_in_seq = self.blocks[ids[-1]] if ids else None
             block.set_block_key(key, is_full)
             prev = block.prev_block_in_seq
             block.hash = block_key_hash(key, prev.hash if prev else 0)
@@ -662,20 +687,24 @@ class WindowBlockManager:
 
     def pin_blocks(self, sequence: GenerationRequest) -> None:
         for block in self.allocated_blocks_per_seq[sequence.request_id]:
-            block.ref_count += 1
+            self._pin(block)
 
     def unpin_blocks_by_id(self, block_ids: Sequence[int]) -> None:
         # Validate everything first, so a bad id changes nothing.
         pending: dict[int, int] = {}
         for block_id in block_ids:
-            block = self.block(block_id)
+            self.block(block_id)
             pending[block_id] = pending.get(block_id, 0) + 1
-            if pending[block_id] > block.ref_count:
+            if pending[block_id] > self.pins.get(block_id, 0):
                 raise UnknownBlockError(
-                    f"block {block_id} is not pinned (ref count {block.ref_count})"
+                    f"block {block_id} is not pinned "
+                    f"({self.pins.get(block_id, 0)} pin(s), {pending[block_id]} unpin(s) asked)"
                 )
         for block_id in block_ids:
             block = self.blocks[block_id]
+            self.pins[block_id] -= 1
+            if not self.pins[block_id]:
+                del self.pins[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
                 self.policy.release_block(block)
@@ -698,9 +727,13 @@ class WindowBlockManager:
 
     def find_new_context_block(self, request: LlmRequest, tokens: Sequence[int]) -> BlockKey | None:
         tpb = self.tokens_per_block
+        extra = None
+        if request.extra_ids is not None:  # the tokens carry the request's extra ids
+            extra = (request.extra_ids + [0] * len(tokens))[: len(tokens)]
         probe = LlmRequest(
             request.request_id,
             list(tokens),
+            extra_ids=extra,
             lora_task_id=request.lora_task_id,
             cache_salt_id=request.cache_salt_id,
             multimodal=request.multimodal,
