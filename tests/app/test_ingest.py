@@ -6,6 +6,7 @@ The recorded stream is the worked example of TRTLLM_EVENTS.md section 4 (the C++
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 from collections.abc import Iterator
@@ -167,7 +168,12 @@ async def test_the_worked_stream_reaches_the_index_exactly(
             await wait_until(lambda: consumer.last_seq("trt0") == 8)
             assert index_of(consumer, "trt0") == AFTER_STEP_5
             assert ingest.local_blocks() == AFTER_STEP_5
-            entry = json.loads(await client.hget(keys.WORKERS_KEY, "trt0"))
+            # update_registry() reaches Redis with the next heartbeat.
+            for _ in range(200):
+                entry = json.loads(await client.hget(keys.WORKERS_KEY, "trt0"))
+                if "capacity" in entry:
+                    break
+                await asyncio.sleep(0.01)
             stats = consumer.stats()
     finally:
         await client.aclose()

@@ -160,7 +160,9 @@ async def test_a_worker_whose_heartbeat_stops_leaves_the_index(clean_redis_url: 
     workloads = [Workload(seed=500), Workload(seed=501)]
     survivor = make_publisher(clean_redis_url, "w0", workloads[0])
     # w1 "crashes": closing without unregistering is the same as dying, for Redis.
-    crasher = make_publisher(clean_redis_url, "w1", workloads[1], unregister_on_close=False)
+    crasher = make_publisher(
+        clean_redis_url, "w1", workloads[1], unregister_on_close=False, heartbeat_ttl_s=0.3
+    )
     async with make_consumer(clean_redis_url) as consumer:
         await survivor.start()
         await crasher.start()
