@@ -54,7 +54,13 @@ from redis.asyncio import Redis
 
 from cache import KVCacheEvent, RemovedData, StoredData
 from events import keys
-from events.envelope import DEFAULT_MAX_ENTRY_BYTES, Envelope, EnvelopeError, decode_envelope
+from events.envelope import (
+    DEFAULT_MAX_ENTRY_BYTES,
+    Envelope,
+    EnvelopeError,
+    OversizedEntryError,
+    decode_envelope,
+)
 from events.index import PrefixIndex
 from events.publisher import REDIS_ERRORS, raise_if_cancelled, redis_client
 from events.snapshot import SnapshotError, decode_snapshot
@@ -494,7 +500,8 @@ class EventConsumer:
                     )
             except EnvelopeError as exc:
                 state.pos = entry_id
-                self._count_malformed(state, entry_id, exc, oversized="larger than" in str(exc))
+                oversized = isinstance(exc, OversizedEntryError)
+                self._count_malformed(state, entry_id, exc, oversized=oversized)
                 continue
             if envelope.epoch != state.epoch:
                 if envelope.epoch < state.epoch:

@@ -23,7 +23,8 @@ survive both formats exactly (msgpack uint64; JSON integers are exact in Python)
 Errors::
 
     ValueError
-     └── EnvelopeError       a malformed or oversized entry; the message names the field
+     └── EnvelopeError            a malformed entry; the message names the field
+          └── OversizedEntryError  an entry over the reader's ``max_entry_bytes``
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ __all__ = [
     "FORMAT_VERSION",
     "Envelope",
     "EnvelopeError",
+    "OversizedEntryError",
     "decode_envelope",
     "make_envelope",
 ]
@@ -62,6 +64,10 @@ _BYTE_FIELDS: Final = {name.encode(): name for name in (*_FIELDS, "ts")}
 
 class EnvelopeError(ValueError):
     """A stream entry that is not a valid envelope (the message names the field)."""
+
+
+class OversizedEntryError(EnvelopeError):
+    """A stream entry larger than the reader accepts (refused before it is parsed)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,7 +230,7 @@ def decode_envelope(
         if name is not None:
             got[name] = value
     if size > max_entry_bytes:
-        raise EnvelopeError(f"data: entry of {size} bytes is larger than {max_entry_bytes}")
+        raise OversizedEntryError(f"data: entry of {size} bytes is larger than {max_entry_bytes}")
     for name in _FIELDS:
         if name not in got:
             raise EnvelopeError(f"{name}: missing")

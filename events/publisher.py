@@ -65,6 +65,7 @@ from events.envelope import DEFAULT_MAX_ENTRY_BYTES, FMT_MSGPACK, FORMATS, make_
 from events.snapshot import Snapshot, SnapshotSource, encode_snapshot
 
 __all__ = [
+    "REDIS_ERRORS",
     "EventPublisher",
     "EventSource",
     "manager_load",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+import inspect
 from collections.abc import Iterator
 from typing import Any
 
@@ -26,6 +28,7 @@ from events.envelope import (
     FMT_MSGPACK,
     Envelope,
     EnvelopeError,
+    OversizedEntryError,
     decode_envelope,
     make_envelope,
 )
@@ -216,7 +219,7 @@ def test_an_oversized_entry_is_refused_before_anything_else() -> None:
     fields = _good_fields()
     size = sum(len(k) + len(v) for k, v in fields.items())
     assert decode_envelope(fields, max_entry_bytes=size).seq_last == 16
-    with pytest.raises(EnvelopeError, match=f"^data: entry of {size} bytes is larger than"):
+    with pytest.raises(OversizedEntryError, match=f"^data: entry of {size} bytes is larger than"):
         decode_envelope(fields, max_entry_bytes=size - 1)
     fields[b"v"] = b"99"  # not even looked at
     with pytest.raises(EnvelopeError, match="larger than"):
@@ -368,3 +371,20 @@ def test_snapshot_encoding_round_trip() -> None:
 def test_malformed_snapshots_are_refused(raw: bytes, message: str) -> None:
     with pytest.raises(SnapshotError, match=message):
         decode_snapshot(raw)
+
+
+@pytest.mark.parametrize(
+    "module_name",
+    ["events.keys", "events.envelope", "events.snapshot", "events.publisher", "events.consumer"],
+)
+def test_export_lists_are_exact(module_name: str) -> None:
+    module = importlib.import_module(module_name)
+    defined = {
+        name
+        for name, value in vars(module).items()
+        if not name.startswith("_")
+        and (inspect.isfunction(value) or inspect.isclass(value))
+        and value.__module__ == module_name
+    }
+    assert defined <= set(module.__all__)
+    assert all(hasattr(module, name) for name in module.__all__)
