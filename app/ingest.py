@@ -42,7 +42,7 @@ from redis.asyncio import Redis
 from cache import CreatedData, KVCacheEvent
 from events import keys
 from events.index import PrefixIndex
-from events.publisher import EventPublisher, redis_client
+from events.publisher import EventPublisher, client_for
 from events.snapshot import Snapshot
 
 __all__ = ["TrtllmIngest", "TrtllmIngestError", "run_trtllm_ingest"]
@@ -94,12 +94,7 @@ class TrtllmIngest:
         self.tokens_per_block = tokens_per_block
         self.poll_interval_s = poll_interval_s
         self.backoff_max_s = backoff_max_s
-        if isinstance(redis, str):
-            self._redis = redis_client(redis)
-            self._owns_redis = True
-        else:
-            self._redis = redis
-            self._owns_redis = False
+        self._redis, self._owns_redis = client_for(redis)
         self._http = http_client or httpx.AsyncClient(timeout=http_timeout_s)
         self._owns_http = http_client is None
         self._publisher_options = publisher_options

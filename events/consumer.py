@@ -62,7 +62,7 @@ from events.envelope import (
     decode_envelope,
 )
 from events.index import PrefixIndex
-from events.publisher import REDIS_ERRORS, raise_if_cancelled, redis_client
+from events.publisher import REDIS_ERRORS, client_for, raise_if_cancelled
 from events.snapshot import SnapshotError, decode_snapshot
 
 __all__ = ["EntryHook", "EventConsumer", "WorkerState"]
@@ -143,12 +143,7 @@ class EventConsumer:
     ) -> None:
         if block_ms <= 0 or count <= 0 or max_entry_bytes <= 0:
             raise ValueError("block_ms, count and max_entry_bytes must be positive")
-        if isinstance(redis, str):
-            self._redis = redis_client(redis, socket_timeout=block_ms / 1000 + 5.0)
-            self._owns_redis = True
-        else:
-            self._redis = redis
-            self._owns_redis = False
+        self._redis, self._owns_redis = client_for(redis, socket_timeout=block_ms / 1000 + 5.0)
         self.index = index if index is not None else PrefixIndex()
         self.block_ms = block_ms
         self.count = count

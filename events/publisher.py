@@ -68,6 +68,7 @@ __all__ = [
     "REDIS_ERRORS",
     "EventPublisher",
     "EventSource",
+    "client_for",
     "manager_load",
     "manager_registry_entry",
     "new_epoch",
@@ -109,6 +110,13 @@ def redis_client(url: str, *, socket_timeout: float | None = 5.0) -> Redis:
         retry=Retry(NoBackoff(), 0),
     )
     return client
+
+
+def client_for(redis: Redis | str, *, socket_timeout: float | None = 5.0) -> tuple[Redis, bool]:
+    """A client for a URL, owned by the caller (who closes it), or the client given, not owned."""
+    if isinstance(redis, str):
+        return redis_client(redis, socket_timeout=socket_timeout), True
+    return redis, False
 
 
 class EventSource(Protocol):
@@ -226,12 +234,7 @@ class EventPublisher:
                 raise ValueError(f"{name} must be positive, got {value}")
         if heartbeat_ttl_s <= heartbeat_interval_s:
             raise ValueError("heartbeat_ttl_s must be longer than heartbeat_interval_s")
-        if isinstance(redis, str):
-            self._redis = redis_client(redis)
-            self._owns_redis = True
-        else:
-            self._redis = redis
-            self._owns_redis = False
+        self._redis, self._owns_redis = client_for(redis)
         self.epoch = new_epoch() if epoch is None else epoch
         self.fmt = fmt
         self.maxlen = maxlen
