@@ -72,13 +72,12 @@ def test_a2_pools_offsets_and_growth(heads: list[int]) -> None:
 
 
 def test_k_only_cache_points_k_and_v_at_the_same_field() -> None:
-    mgr = KVCacheManager(
-        num_layers=2,
+    mgr = make_manager(
+        4,
+        max_sequence_length=16,
         num_kv_heads=1,
         head_dim=4,
-        tokens_per_block=4,
-        blocks_per_window={16: (4, 0)},
-        max_sequence_length=16,
+        allocate_pools=True,
         cache_type=CacheType.SELFKONLY,
     )
     assert mgr.pools[16][0].kv_factor == 1
@@ -88,16 +87,7 @@ def test_k_only_cache_points_k_and_v_at_the_same_field() -> None:
 
 
 def test_cross_attention_allocates_for_encoder_tokens() -> None:
-    mgr = KVCacheManager(
-        num_layers=1,
-        num_kv_heads=1,
-        head_dim=4,
-        tokens_per_block=4,
-        blocks_per_window={32: (8, 0)},
-        max_sequence_length=32,
-        cache_type=CacheType.CROSS,
-        allocate_pools=False,
-    )
+    mgr = make_manager(8, max_sequence_length=32, cache_type=CacheType.CROSS)
     r = LlmRequest(0, [1, 2], encoder_tokens=list(range(9)))
     mgr.add_sequence(r)
     assert len(ids(mgr, 0)) == 3  # ceil(9 / 4) blocks of encoder output
