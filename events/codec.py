@@ -244,6 +244,42 @@ def _stored_blocks(value: object, where: str) -> list[StoredBlock]:
 
 
 def _decode_event(index: int, value: object) -> KVCacheEvent:
+    # The shapes a worker with a host tier sends most (an offload's cache-level update, a
+    # removal) are recognised with a few type tests; anything else, or anything odd, takes the
+    # validating path, which names what is wrong.
+    if type(value) is tuple and type(value[2] if len(value) > 2 else None) is int:
+        code = value[2]
+        if code == TYPE_REMOVED and len(value) == 4:
+            event_id, window_size, _, hashes = value
+            if (
+                type(event_id) is int
+                and type(window_size) is int
+                and type(hashes) is tuple
+                and hashes
+                and set(map(type, hashes)) <= _INT_ONLY
+                and min(hashes) >= 0
+                and max(hashes) <= _MAX_U64
+            ):
+                return KVCacheEvent(event_id, RemovedData(list(hashes)), window_size)
+        elif code == TYPE_UPDATED and len(value) == 6:
+            event_id, window_size, _, block_hash, level, priority = value
+            if (
+                type(event_id) is int
+                and type(window_size) is int
+                and type(block_hash) is int
+                and 0 <= block_hash <= _MAX_U64
+                and priority is None
+                and type(level) is tuple
+                and len(level) == 2
+                and type(level[0]) is int
+                and type(level[1]) is int
+            ):
+                diff = EventDiff(level[0], level[1])
+                return KVCacheEvent(event_id, UpdatedData(block_hash, diff, None), window_size)
+    return _decode_event_checked(index, value)
+
+
+def _decode_event_checked(index: int, value: object) -> KVCacheEvent:
     where = f"event {index}"
     items = _array(value, where, "an event")
     if len(items) < 3:
