@@ -1,10 +1,5 @@
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import numpy as np
 
 from app.bench import BENCHMARKS, load_benchmark
@@ -21,8 +16,8 @@ from app.bench.index import (
 from cache import StoredData, block_hashes_for_tokens
 from events.codec import decode_events
 from events.index import PrefixIndex
+from tests.app.bench_cli import run_quick_bench
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 KEYS = {
     "apply_events_per_s",
     "apply_blocks_per_s",
@@ -70,16 +65,7 @@ def test_workload_is_chained_chat_sessions() -> None:
 
 
 def test_quick_run_from_the_command_line() -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "app", "bench", "index", "--quick", "--json"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=REPO_ROOT,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr
-    report = json.loads(result.stdout.strip().splitlines()[-1])
+    report = run_quick_bench("index")
     assert report.keys() >= KEYS
     assert report["events"] == NUM_EVENTS_QUICK
     assert report["workers"] == NUM_WORKERS

@@ -1,10 +1,5 @@
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 from app.bench import BENCHMARKS, load_benchmark
 from app.bench.manager import (
     MAX_LIVE,
@@ -15,8 +10,8 @@ from app.bench.manager import (
     make_prompts,
     run,
 )
+from tests.app.bench_cli import run_quick_bench
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 KEYS = {
     "requests_per_s",
     "blocks_per_s",
@@ -67,16 +62,7 @@ def test_prompts_are_the_workload() -> None:
 
 
 def test_quick_run_from_the_command_line() -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "app", "bench", "manager", "--quick", "--json"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=REPO_ROOT,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr
-    report = json.loads(result.stdout.strip().splitlines()[-1])
+    report = run_quick_bench("manager")
     assert report.keys() >= KEYS
     assert report["requests"] == NUM_REQUESTS_QUICK
     assert report["hash_impl"] in ("numba", "python")
