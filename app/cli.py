@@ -14,12 +14,16 @@ import logging
 import secrets
 import sys
 import time
+import typing
 from collections.abc import Callable, Sequence
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from app.bench import BENCHMARKS, load_benchmark
 from app.settings import Settings
+
+if typing.TYPE_CHECKING:
+    from app.worker.settings import WorkerSettings
 
 __all__ = ["build_parser", "main"]
 
@@ -49,6 +53,45 @@ def _add_redis_flag(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_settings_flags(parser: argparse.ArgumentParser, service: str) -> None:
+    """One flag per field of the service's settings model (``--max-batch-size``, ...).
+
+    Defaults are None, so a flag left out falls back to the ``KVMESH_`` variable, then to the
+    model's default (shown in the help); pydantic validates what the flags give."""
+    from app.worker.settings import WorkerSettings
+
+    model = WorkerSettings
+    shared = {"redis_url", "admin_token", "log_level"}  # --redis-url, the environment, --log-level
+    for name, info in model.model_fields.items():
+        if name in shared:
+            continue
+        flag = "--" + name.replace("_", "-")
+        default = "" if info.is_required() else f" (default: {info.default})"
+        help_text = f"{info.description or name}{default}"
+        annotation = info.annotation
+        choices = _literal_choices(annotation)
+        if annotation is bool:
+            parser.add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=None, help=help_text
+            )
+        elif choices:
+            parser.add_argument(flag, choices=choices, default=None, help=help_text)
+        else:
+            kinds = {annotation, *typing.get_args(annotation)} & {int, float}
+            kind = int if int in kinds else float if kinds else str
+            parser.add_argument(flag, type=kind, default=None, metavar=name.upper(), help=help_text)
+
+
+def _literal_choices(annotation: Any) -> list[str] | None:
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if typing.get_origin(annotation) is typing.Literal:
+        return [str(a) for a in args]
+    for arg in args:  # Literal[...] | None
+        if typing.get_origin(arg) is typing.Literal:
+            return [str(a) for a in typing.get_args(arg)]
+    return None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvmesh",
@@ -71,15 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(handler=_cmd_demo)
 
     worker = sub.add_parser("worker", help="a worker service owning one GPU's KV cache")
-    worker.add_argument("--worker-id", required=True, help="unique id of this worker, e.g. w0")
-    _add_service_flags(worker, default_port=8001)
-    worker.add_argument(
-        "--advertise-url",
-        default=None,
-        help="URL under which routers reach this worker (default: http://HOST:PORT)",
-    )
-    worker.add_argument("--engine", choices=["sim", "torch"], default="sim", help="engine back-end")
-    worker.set_defaults(handler=_not_implemented)
+    _add_redis_flag(worker)
+    _add_settings_flags(worker, "worker")
+    worker.set_defaults(handler=_cmd_worker)
 
     router = sub.add_parser("router", help="the cache-aware router")
     _add_service_flags(router, default_port=8000)
@@ -144,6 +181,49 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _not_implemented(args: argparse.Namespace) -> int:
     print(f"kvmesh {args.command}: not implemented yet", file=sys.stderr)
     return 1
+
+
+# -- worker --------------------------------------------------------------------------------
+
+
+def _cmd_worker(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
+    from app.worker.service import serve
+
+    try:
+        settings = _worker_settings(args)
+    except ValidationError as exc:
+        for error in exc.errors():
+            print(f"kvmesh worker: {_setting_error(error)}", file=sys.stderr)
+        return 2
+    serve(settings)
+    return 0
+
+
+def _worker_settings(args: argparse.Namespace) -> WorkerSettings:
+    """Flags given on the command line, over ``KVMESH_`` variables, over the defaults."""
+    from app.worker.settings import WorkerSettings
+
+    given = {
+        name: getattr(args, name)
+        for name in WorkerSettings.model_fields
+        if getattr(args, name, None) is not None
+    }
+    return WorkerSettings(**given)
+
+
+def _setting_error(error: Any) -> str:
+    """One line naming the setting: its flag, its variable and what is wrong with it."""
+    loc = [str(part) for part in error.get("loc", ())]
+    message = str(error.get("msg", "invalid"))
+    if loc:
+        name = loc[0]
+    else:  # a check across fields: its message starts with the setting's name
+        name, _, rest = message.removeprefix("Value error, ").partition(": ")
+        message = rest or message
+    message = message.removeprefix("Value error, ")
+    return f"--{name.replace('_', '-')} (KVMESH_{name.upper()}): {message}"
 
 
 # -- bench ---------------------------------------------------------------------------------

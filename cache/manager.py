@@ -616,6 +616,30 @@ class KVCacheManager:
     ) -> Any:
         return self._window(window_size).find_blocks_in_reuse_tree_by_block_key(key)
 
+    # -- admin: the worker's REST calls --------------------------------------------------------
+
+    def clear_reusable_blocks(self) -> int:
+        """Free every cached block that no sequence or pin holds (reported Removed)."""
+        return sum(wm.clear_reusable_blocks() for wm in self.windows.values())
+
+    def offload_reusable_blocks(self, max_blocks: int | None = None) -> int:
+        """Offload unheld cached primary blocks to free host slots (reported Updated)."""
+        moved = 0
+        for wm in self.windows.values():
+            left = None if max_blocks is None else max_blocks - moved
+            moved += wm.offload_reusable_blocks(left)
+        return moved
+
+    def pin_blocks_by_hash(
+        self, block_hashes: Sequence[int], window_size: int | None = None
+    ) -> list[int]:
+        """Pin cached blocks so that they are not evicted; unpin with `unpin_blocks_by_id`."""
+        return self._window(window_size).pin_blocks_by_hash(block_hashes)
+
+    def find_block_by_hash(self, block_hash: int, window_size: int | None = None) -> Any:
+        """The block of the reuse tree with this chained hash, or None."""
+        return self._window(window_size).blocks_by_hash().get(block_hash)
+
     def refresh_blocks(self) -> None:
         for wm in self.windows.values():
             wm.policy.refresh()

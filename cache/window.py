@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from cache.block import ROOT_BLOCK_ID, KVCacheBlock
+from cache.block import _EMPTY_KEY, ROOT_BLOCK_ID, KVCacheBlock
 from cache.errors import OutOfBlocksError, UnknownBlockError
 from cache.events import EventDiff, KVCacheEventManager, UpdatedData
 from cache.eviction import PRIMARY_LEVEL, SECONDARY_LEVEL, LRUEvictionPolicy
@@ -781,6 +781,88 @@ class WindowBlockManager:
             out.append(block)
             stack.extend(block.next_blocks.values())
         return out
+
+    def blocks_by_hash(self) -> dict[int, KVCacheBlock]:
+        """The reuse tree's blocks by chained hash (admin lookups; O(tree))."""
+        return {block.hash: block for block in self.tree_blocks()}
+
+    def clear_reusable_blocks(self) -> int:
+        """Drop from the tree every subtree that no sequence or pin holds; returns the blocks
+        dropped (each reported Removed). Held blocks and their ancestors stay."""
+        blocks = self.tree_blocks()  # parents before children
+        held: set[int] = set()
+        for block in reversed(blocks):
+            if block.ref_count > 0 or any(c.block_id in held for c in block.next_blocks.values()):
+                held.add(block.block_id)
+        root = self.root
+        roots = [
+            block
+            for block in blocks
+            if block.block_id not in held
+            and (
+                (parent := block.prev_block) is root
+                or (parent is not None and parent.block_id in held)
+            )
+        ]
+        num_dropped = 0
+        for block in roots:
+            subtree = [block]
+            for node in subtree:  # grows while walked: breadth-first
+                subtree.extend(node.next_blocks.values())
+            self._free_children(block)
+            for node in subtree:  # an empty key: a later eviction has nothing to offload
+                node.set_block_key(_EMPTY_KEY, False)
+                node.hash = 0
+            num_dropped += len(subtree)
+        return num_dropped
+
+    def offload_reusable_blocks(self, max_blocks: int | None = None) -> int:
+        """Move cached primary blocks that nobody holds to empty secondary slots, in eviction
+        order (each reported Updated, primary -> secondary); returns how many moved."""
+        if not self.onboard_blocks or self.num_secondary_blocks == 0:
+            return 0
+        policy = self.policy
+        sources = [
+            block
+            for block in map(self.blocks.__getitem__, policy.free_order(PRIMARY_LEVEL))
+            if block.in_radix_tree
+        ]
+        targets = [
+            block
+            for block in map(self.blocks.__getitem__, policy.free_order(SECONDARY_LEVEL))
+            if not block.key.tokens and block.prev_block is None and not block.next_blocks
+        ]
+        count = min(len(sources), len(targets))
+        if max_blocks is not None:
+            count = min(count, max_blocks)
+        for block, target in zip(sources[:count], targets[:count], strict=True):
+            priority, duration = block.priority, block.duration_s
+            policy.claim_block(block, priority, duration)
+            policy.claim_block(target)
+            self.transfer.copy(_slot(block), _slot(target))
+            block.swap_memory_pool_block_offset(target)
+            if self.events is not None:
+                self.events.enqueue_updated(
+                    UpdatedData(block.hash, cache_level=EventDiff(PRIMARY_LEVEL, SECONDARY_LEVEL)),
+                    self.window_size,
+                )
+            policy.release_block(block)  # into the secondary queue, same priority
+            policy.release_block(target)  # the empty block now owns the primary slot
+        self.transfer.flush()
+        return count
+
+    def pin_blocks_by_hash(self, block_hashes: Sequence[int]) -> list[int]:
+        """Pin cached blocks by hash (all or none); returns their ids, for unpinning."""
+        by_hash = self.blocks_by_hash()
+        missing = [h for h in block_hashes if h not in by_hash]
+        if missing:
+            raise UnknownBlockError(
+                f"no block with hash {missing[0]} in the reuse tree (window {self.window_size})"
+            )
+        blocks = [by_hash[h] for h in block_hashes]
+        for block in blocks:
+            self._pin(block)
+        return [block.block_id for block in blocks]
 
     def reset_reuse_state(self) -> None:
         """Forget the reuse tree. Each forgotten block is reported Removed, so that consumers of

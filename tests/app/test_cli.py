@@ -36,7 +36,6 @@ def test_console_script_is_installed() -> None:
         ["frobnicate"],
         ["--no-such-flag", "demo"],
         ["demo", "--no-such-flag"],
-        ["worker"],  # --worker-id is required
         ["bench", "no-such-benchmark"],
         ["router", "--port", "not-a-number"],
     ],
@@ -53,7 +52,6 @@ def test_bad_usage_prints_usage_and_exits_2(
 @pytest.mark.parametrize(
     "argv",
     [
-        ["worker", "--worker-id", "w0", "--port", "8001"],
         ["router", "--port", "8000"],
         ["dashboard"],
         ["replay", "trace.jsonl"],
@@ -64,6 +62,58 @@ def test_unwritten_services_say_so_and_exit_1(
 ) -> None:
     assert main(argv) == 1
     assert capsys.readouterr().err == f"kvmesh {argv[0]}: not implemented yet\n"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["worker"], "--worker-id (KVMESH_WORKER_ID): Field required"),
+        (
+            ["worker", "--worker-id", "w0", "--num-layers", "0"],
+            "--num-layers (KVMESH_NUM_LAYERS): Input should be greater than 0",
+        ),
+        (
+            ["worker", "--worker-id", "w0", "--num-gpu-blocks", "8", "--gpu-memory-gib", "1"],
+            "--gpu-memory-gib (KVMESH_GPU_MEMORY_GIB): give it or num_gpu_blocks, not both",
+        ),
+        (
+            ["worker", "--worker-id", "w0", "--model", "llama-3-8b"],
+            "--num-gpu-blocks (KVMESH_NUM_GPU_BLOCKS): give it or gpu_memory_gib for model "
+            "llama-3-8b",
+        ),
+        (
+            [
+                *("worker", "--worker-id", "w0", "--engine", "torch"),
+                *("--model", "llama-3-8b", "--num-gpu-blocks", "8"),
+            ],
+            "--engine (KVMESH_ENGINE): the torch back-end runs models up to hidden size 1024, "
+            "this shape has 4096 (use --model tiny)",
+        ),
+    ],
+)
+def test_bad_worker_settings_fail_with_one_line_naming_the_setting(
+    argv: list[str],
+    message: str,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("KVMESH_WORKER_ID", raising=False)
+    assert main(argv) == 2
+    assert capsys.readouterr().err == f"kvmesh worker: {message}\n"
+
+
+def test_worker_flags_win_over_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from app.cli import _worker_settings
+
+    monkeypatch.setenv("KVMESH_MAX_BATCH_SIZE", "7")
+    monkeypatch.setenv("KVMESH_WORKER_ID", "from-env")
+    args = build_parser().parse_args(["worker", "--max-batch-size", "9", "--no-allocate-pools"])
+    settings = _worker_settings(args)
+    assert (settings.worker_id, settings.max_batch_size, settings.allocate_pools) == (
+        "from-env",
+        9,
+        False,
+    )
 
 
 def test_every_registered_benchmark_resolves() -> None:

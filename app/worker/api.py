@@ -1,0 +1,679 @@
+"""The worker's HTTP API: OpenAI-compatible completions, the admin API, health and metrics.
+
+Handlers are thin: they validate, then hand work to the engine (``submit``, ``cancel``, or
+``call`` for anything that reads or changes the manager). Errors are mapped to HTTP once, in
+the exception handlers below, as OpenAI's error shape ``{"error": {"message", "type",
+"param", "code"}}``::
+
+    RequestValidationError, BadRequest, InvalidRetentionConfigError   400
+    missing bearer token                                               401
+    admin calls disabled, or a wrong token                             403
+    NotFound, UnknownBlockError, UnknownRequestError                   404
+    DuplicateJobError                                                  409
+    body over max_body_bytes                                           413
+    QueueFullError                                                     429 + Retry-After
+    DrainingError                                                      503 + Retry-After
+
+Mutating admin calls need ``Authorization: Bearer <KVMESH_ADMIN_TOKEN>``, compared in constant
+time; with no token configured they are refused, never open.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+import orjson
+from fastapi import APIRouter, Depends, FastAPI, Header, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from app.worker import schemas
+from app.worker.backend import prompt_seed
+from app.worker.engine import DrainingError, DuplicateJobError, EngineError, Job, QueueFullError
+from app.worker.metrics import CONTENT_TYPE
+from app.worker.service import WorkerRuntime
+from app.worker.settings import WorkerSettings
+from cache import (
+    InvalidRetentionConfigError,
+    KVCacheBlock,
+    KVCacheManager,
+    RetentionConfig,
+    TokenRangeRetention,
+    UnknownBlockError,
+    UnknownRequestError,
+)
+from events.snapshot import manager_snapshot
+
+__all__ = ["BadRequest", "NotFound", "install"]
+
+
+class BadRequest(Exception):
+    def __init__(self, param: str | None, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+        self.message = message
+
+
+class NotFound(Exception):
+    pass
+
+
+class OrjsonResponse(JSONResponse):
+    def render(self, content: Any) -> bytes:
+        return orjson.dumps(content)
+
+
+def _error(
+    status: int, message: str, kind: str, param: str | None = None, **headers: str
+) -> Response:
+    body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
+    return OrjsonResponse(body, status_code=status, headers=headers or None)
+
+
+def _runtime(request: Request) -> WorkerRuntime:
+    runtime: WorkerRuntime = request.app.state.runtime
+    return runtime
+
+
+Runtime = Annotated[WorkerRuntime, Depends(_runtime)]
+
+
+def _admin(settings: WorkerSettings) -> Any:
+    expected = settings.admin_token.get_secret_value().encode() if settings.admin_token else None
+
+    def require_admin(authorization: Annotated[str | None, Header()] = None) -> None:
+        if expected is None:
+            raise HTTPException(403, "admin calls are disabled: the worker has no admin token")
+        scheme, _, token = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            raise HTTPException(401, "admin calls need 'Authorization: Bearer <token>'")
+        if not secrets.compare_digest(token.encode(), expected):
+            raise HTTPException(403, "wrong admin token")
+
+    return Depends(require_admin)
+
+
+# -- request validation ------------------------------------------------------------------------
+
+
+def _retention(spec: schemas.Retention) -> RetentionConfig:
+    try:
+        return RetentionConfig(
+            ranges=[
+                TokenRangeRetention(r.start, r.end, r.priority, r.duration_s) for r in spec.ranges
+            ],
+            decode_priority=spec.decode_priority,
+            decode_duration_s=spec.decode_duration_s,
+        )
+    except InvalidRetentionConfigError as exc:
+        raise BadRequest("retention", f"retention: {exc}") from None
+
+
+def _salt_id(salt: str) -> int:
+    return int.from_bytes(hashlib.blake2b(salt.encode(), digest_size=8).digest(), "little")
+
+
+def make_job(runtime: WorkerRuntime, body: schemas.CompletionRequest) -> Job:
+    """Check a completion request against the model and the cache; a Job or BadRequest."""
+    prompt = body.prompt
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], str)):
+        raise BadRequest(
+            "prompt", "prompt: a worker takes token ids; send text prompts to the router"
+        )
+    if prompt and isinstance(prompt[0], list):
+        raise BadRequest("prompt", "prompt: one prompt per request (a list of token ids)")
+    tokens: list[int] = prompt  # type: ignore[assignment]
+    if not tokens:
+        raise BadRequest("prompt", "prompt: must hold at least one token id")
+    shape = runtime.settings.shape
+    low, high = min(tokens), max(tokens)
+    if low < 0 or high >= shape.vocab_size:
+        bad = low if low < 0 else high
+        raise BadRequest(
+            "prompt",
+            f"prompt: token id {bad} at index {tokens.index(bad)} is outside the vocabulary "
+            f"0..{shape.vocab_size - 1}",
+        )
+    total = len(tokens) + body.max_tokens
+    if total > shape.max_seq_len:
+        raise BadRequest(
+            "max_tokens",
+            f"max_tokens: {len(tokens)} prompt tokens + {body.max_tokens} max_tokens = {total} "
+            f"exceeds the model's window of {shape.max_seq_len} tokens",
+        )
+    tpb = shape.tokens_per_block
+    need = -(-total // tpb)
+    capacity = runtime.mgr.get_max_num_blocks()
+    if need > capacity:
+        raise BadRequest(
+            "max_tokens",
+            f"max_tokens: the request needs {need} KV cache blocks, the worker has {capacity}",
+        )
+    retention = _retention(body.retention) if body.retention is not None else None
+    return Job(
+        job_id=body.request_id or f"cmpl-{uuid.uuid4().hex}",
+        prompt=tokens,
+        max_tokens=body.max_tokens,
+        seed=prompt_seed(tokens),
+        priority=body.priority,
+        lora_task_id=body.lora_task_id,
+        cache_salt=body.cache_salt,
+        cache_salt_id=_salt_id(body.cache_salt) if body.cache_salt is not None else None,
+        retention=retention,
+    )
+
+
+# -- responses ---------------------------------------------------------------------------------
+
+
+def _ms(start: float | None, end: float | None) -> float | None:
+    return None if start is None or end is None else round((end - start) * 1e3, 3)
+
+
+def _usage(job: Job) -> dict[str, Any]:
+    prompt_tokens = len(job.prompt)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": len(job.output),
+        "total_tokens": prompt_tokens + len(job.output),
+        "prompt_tokens_details": {"cached_tokens": job.cached_tokens},
+    }
+
+
+def _timings(runtime: WorkerRuntime, job: Job) -> dict[str, Any]:
+    return {
+        "worker_id": runtime.settings.worker_id,
+        "request_id": job.job_id,
+        "queue_ms": _ms(job.arrival_s, job.admitted_s),
+        "ttft_ms": _ms(job.arrival_s, job.first_token_s),
+        "e2e_ms": _ms(job.arrival_s, job.finished_s),
+        "preemptions": job.num_preemptions,
+    }
+
+
+def completion_body(runtime: WorkerRuntime, job: Job, created: int) -> dict[str, Any]:
+    return {
+        "id": job.job_id,
+        "object": "text_completion",
+        "created": created,
+        "model": runtime.settings.model,
+        "choices": [
+            {
+                "index": 0,
+                "text": "",
+                "token_ids": job.output,
+                "logprobs": None,
+                "finish_reason": job.finish_reason,
+            }
+        ],
+        "usage": _usage(job),
+        "kvmesh": _timings(runtime, job),
+    }
+
+
+def _sse(data: Any) -> bytes:
+    return b"data: " + orjson.dumps(data) + b"\n\n"
+
+
+async def _stream(runtime: WorkerRuntime, job: Job, created: int) -> AsyncIterator[bytes]:
+    """One chunk per engine step (tokens produced since the last chunk), a last chunk with the
+    finish reason and usage, then ``[DONE]``. A client that goes away cancels the job."""
+    sent = 0
+    model = runtime.settings.model
+    try:
+        while True:
+            job.updated.clear()
+            if len(job.output) > sent:
+                new, sent = job.output[sent:], len(job.output)
+                yield _sse(
+                    {
+                        "id": job.job_id,
+                        "object": "text_completion",
+                        "created": created,
+                        "model": model,
+                        "choices": [
+                            {"index": 0, "text": "", "token_ids": new, "finish_reason": None}
+                        ],
+                    }
+                )
+            if job.finished:
+                final = completion_body(runtime, job, created)
+                final["choices"][0]["token_ids"] = []
+                yield _sse(final)
+                yield b"data: [DONE]\n\n"
+                return
+            await job.updated.wait()
+    finally:
+        if not job.finished:
+            runtime.engine.cancel(job.job_id)
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+# -- routes ------------------------------------------------------------------------------------
+
+ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": schemas.ErrorResponse} for code in (400, 404, 409, 413, 429, 503)
+}
+ADMIN_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": schemas.ErrorResponse} for code in (400, 401, 403, 404, 409)
+}
+
+
+def _inference_router() -> APIRouter:
+    router = APIRouter(tags=["inference"])
+
+    @router.post(
+        "/v1/completions",
+        response_model=schemas.CompletionResponse,
+        responses=ERRORS,
+        summary="OpenAI completions with a token-id prompt",
+    )
+    async def create_completion(
+        body: schemas.CompletionRequest, request: Request, runtime: Runtime
+    ) -> Response:
+        job = make_job(runtime, body)
+        runtime.engine.submit(job)
+        created = int(time.time())
+        if body.stream:
+            return StreamingResponse(
+                _stream(runtime, job, created),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Request-Id": job.job_id},
+            )
+        disconnect = asyncio.ensure_future(_wait_for_disconnect(request))
+        try:
+            await asyncio.wait((job.done, disconnect), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            disconnect.cancel()
+            if not job.finished:  # the client went away (or this handler was cancelled)
+                runtime.engine.cancel(job.job_id)
+        if job.finish_reason == "error":
+            return _error(
+                503, job.error or "the engine failed", "engine_error", None, **{"Retry-After": "1"}
+            )
+        return OrjsonResponse(completion_body(runtime, job, created))
+
+    return router
+
+
+def _block_info(block: KVCacheBlock, with_tokens: bool) -> dict[str, Any]:
+    parent = block.prev_block
+    return {
+        "block_id": block.block_id,
+        "hash": block.hash,
+        "parent_hash": parent.hash if parent is not None and parent.block_id >= 0 else None,
+        "level": 0 if block.is_primary else 1,
+        "priority": block.priority,
+        "ref_count": block.ref_count,
+        "num_tokens": len(block.key.tokens),
+        "tokens": list(block.key.tokens) if with_tokens else None,
+    }
+
+
+def _sequence_info(job: Job, mgr: KVCacheManager) -> dict[str, Any]:
+    blocks = 0
+    if job.request_id in mgr.sequences:
+        blocks = len(mgr.get_cache_block_ids(job.request_id)[0])
+    return {
+        "request_id": job.job_id,
+        "state": job.state.value,
+        "priority": job.priority,
+        "prompt_tokens": len(job.prompt),
+        "generated_tokens": len(job.output),
+        "max_tokens": job.max_tokens,
+        "cached_tokens": job.cached_tokens,
+        "position": job.position,
+        "num_blocks": blocks,
+        "preemptions": job.num_preemptions,
+    }
+
+
+def _admin_router(settings: WorkerSettings) -> APIRouter:
+    router = APIRouter(tags=["admin"], responses=ADMIN_ERRORS)
+    admin = _admin(settings)
+
+    @router.get("/health", response_model=schemas.HealthResponse, summary="Liveness")
+    async def health(runtime: Runtime) -> dict[str, Any]:
+        return {"status": "ok", "worker_id": runtime.settings.worker_id}
+
+    @router.get(
+        "/ready",
+        response_model=schemas.HealthResponse,
+        responses={503: {"model": schemas.HealthResponse}},
+        summary="Engine running, Redis reachable, not draining",
+    )
+    async def ready(runtime: Runtime) -> Response:
+        checks = {
+            "engine": runtime.engine_alive,
+            "redis": await runtime.redis_ok(),
+            "admitting": not runtime.engine.draining,
+        }
+        ok = all(checks.values())
+        body = {
+            "status": "ready" if ok else "not ready",
+            "worker_id": runtime.settings.worker_id,
+            "checks": checks,
+        }
+        return OrjsonResponse(body, status_code=200 if ok else 503)
+
+    @router.get("/stats", summary="Manager statistics, hit rate, events, queue")
+    async def stats(runtime: Runtime) -> dict[str, Any]:
+        kv = await runtime.engine.call(lambda mgr: mgr.get_kv_cache_stats())
+        engine = runtime.engine
+        counters = engine.stats
+        prompt_total = counters.reused_tokens + counters.prefill_tokens
+        return {
+            "worker_id": runtime.settings.worker_id,
+            "uptime_s": round(time.time() - runtime.started_at, 3),
+            "kv_cache": {
+                "max_num_blocks": kv.max_num_blocks,
+                "free_num_blocks": kv.free_num_blocks,
+                "used_num_blocks": kv.used_num_blocks,
+                "tokens_per_block": kv.tokens_per_block,
+                "alloc_total_blocks": kv.alloc_total_blocks,
+                "alloc_new_blocks": kv.alloc_new_blocks,
+                "reused_blocks": kv.reused_blocks,
+                "missed_blocks": kv.missed_blocks,
+                "cache_hit_rate": kv.cache_hit_rate,
+                "allocated_bytes": kv.allocated_bytes,
+            },
+            "load": dict(engine.load),
+            "prompt_token_hit_rate": counters.reused_tokens / prompt_total if prompt_total else 0.0,
+            "engine": {
+                "steps": counters.steps,
+                "submitted": counters.submitted,
+                "finished": counters.finished,
+                "cancelled": counters.cancelled,
+                "failed": counters.failed,
+                "preemptions": counters.preemptions,
+                "errors": counters.errors,
+                "reused_prompt_tokens": counters.reused_tokens,
+                "computed_prompt_tokens": counters.prefill_tokens,
+                "generated_tokens": counters.generated_tokens,
+                "waiting": engine.num_waiting,
+                "running": len(engine.running),
+                "max_queue_len": engine.config.max_queue_len,
+                "draining": engine.draining,
+            },
+            "events": runtime.publisher.stats(),
+        }
+
+    @router.get("/config", summary="The worker's settings (no secrets)")
+    async def config(runtime: Runtime) -> dict[str, Any]:
+        data = runtime.settings.model_dump(exclude={"admin_token", "redis_url"})
+        data["shape"] = dataclasses.asdict(runtime.settings.shape)
+        data["blocks_per_level"] = list(runtime.settings.blocks_per_level())
+        data["admin_token_set"] = runtime.settings.admin_token is not None
+        return data
+
+    @router.get("/sequences", response_model=list[schemas.SequenceInfo], summary="Live requests")
+    async def sequences(runtime: Runtime) -> list[dict[str, Any]]:
+        jobs = list(runtime.engine.jobs.values())
+        return await runtime.engine.call(lambda mgr: [_sequence_info(job, mgr) for job in jobs])
+
+    @router.get("/sequences/{request_id}", response_model=schemas.SequenceInfo)
+    async def sequence(request_id: str, runtime: Runtime) -> dict[str, Any]:
+        job = runtime.job_for(request_id)
+        if job is None:
+            raise NotFound(f"no live request with id {request_id!r}")
+        return await runtime.engine.call(lambda mgr: _sequence_info(job, mgr))
+
+    @router.get("/blocks", response_model=schemas.BlockPage, summary="The reuse tree, paginated")
+    async def blocks(
+        runtime: Runtime,
+        offset: Annotated[int, Query(ge=0)] = 0,
+        limit: Annotated[int, Query(ge=1, le=10_000)] = 100,
+        tokens: bool = False,
+    ) -> dict[str, Any]:
+        def page(mgr: KVCacheManager) -> dict[str, Any]:
+            tree = next(iter(mgr.windows.values())).tree_blocks()
+            chosen = tree[offset : offset + limit]
+            return {
+                "total": len(tree),
+                "offset": offset,
+                "limit": limit,
+                "blocks": [_block_info(block, tokens) for block in chosen],
+            }
+
+        return await runtime.engine.call(page)
+
+    @router.get("/blocks/{block_hash}", response_model=schemas.BlockInfo)
+    async def block(
+        block_hash: Annotated[int, schemas.BlockHash], runtime: Runtime, tokens: bool = False
+    ) -> dict[str, Any]:
+        found = await runtime.engine.call(lambda mgr: mgr.find_block_by_hash(block_hash))
+        if found is None:
+            raise NotFound(f"no block with hash {block_hash} in the reuse tree")
+        return _block_info(found, tokens)
+
+    @router.get("/events", response_model=schemas.EventPage, summary="Recent KV events")
+    async def recent_events(
+        runtime: Runtime,
+        since: Annotated[int, Query(ge=-1)] = -1,
+        limit: Annotated[int, Query(ge=1, le=10_000)] = 1_000,
+    ) -> dict[str, Any]:
+        ring = runtime.engine.recent_events
+        oldest = ring[0].event_id if ring else None
+        latest = ring[-1].event_id if ring else None
+        chosen = [event.to_dict() for event in ring if event.event_id > since][:limit]
+        return {
+            "events": chosen,
+            "oldest_event_id": oldest,
+            "latest_event_id": latest,
+            "truncated": oldest is not None and since < oldest - 1,
+        }
+
+    @router.get("/snapshot", response_model=schemas.SnapshotResponse, summary="The whole tree")
+    async def snapshot(runtime: Runtime, tokens: bool = False) -> dict[str, Any]:
+        snap = await runtime.engine.call(lambda mgr: manager_snapshot(mgr, with_tokens=tokens))
+        return {
+            "event_id": snap.event_id,
+            "num_blocks": snap.num_blocks,
+            "events": [event.to_dict() for event in snap.events],
+        }
+
+    @router.post(
+        "/cache/clear",
+        response_model=schemas.CountResponse,
+        dependencies=[admin],
+        summary="Free every unreferenced cached block (reported removed)",
+    )
+    async def clear(runtime: Runtime) -> dict[str, Any]:
+        count = await runtime.engine.call(lambda mgr: mgr.clear_reusable_blocks())
+        return {"count": count}
+
+    @router.post(
+        "/cache/offload",
+        response_model=schemas.CountResponse,
+        dependencies=[admin],
+        summary="Move unreferenced cached blocks to host memory",
+    )
+    async def offload(
+        runtime: Runtime, body: schemas.OffloadRequest | None = None
+    ) -> dict[str, Any]:
+        limit = body.max_blocks if body is not None else None
+        count = await runtime.engine.call(lambda mgr: mgr.offload_reusable_blocks(limit))
+        return {"count": count}
+
+    @router.post(
+        "/blocks/pin",
+        response_model=schemas.PinResponse,
+        dependencies=[admin],
+        summary="Pin cached blocks by hash so they are not evicted",
+    )
+    async def pin(body: schemas.BlockHashes, runtime: Runtime) -> dict[str, Any]:
+        ids = await runtime.engine.call(lambda mgr: mgr.pin_blocks_by_hash(body.block_hashes))
+        return {"block_ids": ids}
+
+    @router.post(
+        "/blocks/unpin",
+        response_model=schemas.PinResponse,
+        dependencies=[admin],
+        summary="Undo one pin of each block (by hash)",
+    )
+    async def unpin(body: schemas.BlockHashes, runtime: Runtime) -> dict[str, Any]:
+        def run(mgr: KVCacheManager) -> list[int]:
+            found = [mgr.find_block_by_hash(h) for h in body.block_hashes]
+            for block_hash, block in zip(body.block_hashes, found, strict=True):
+                if block is None:
+                    raise UnknownBlockError(f"no block with hash {block_hash} in the reuse tree")
+            ids = [block.block_id for block in found]
+            mgr.unpin_blocks_by_id(ids)
+            return ids
+
+        return {"block_ids": await runtime.engine.call(run)}
+
+    @router.post(
+        "/requests/{request_id}/cancel",
+        response_model=schemas.CancelResponse,
+        dependencies=[admin],
+        summary="Cancel a live request and free its blocks",
+    )
+    async def cancel(request_id: str, runtime: Runtime) -> dict[str, Any]:
+        if not runtime.engine.cancel(request_id):
+            raise NotFound(f"no live request with id {request_id!r}")
+        return {"request_id": request_id, "cancelled": True}
+
+    @router.get("/metrics", summary="Prometheus metrics", response_class=Response)
+    async def metrics(runtime: Runtime) -> Response:
+        runtime.metrics.kv_stats = await runtime.engine.call(lambda mgr: mgr.get_kv_cache_stats())
+        return Response(runtime.metrics.render(), media_type=CONTENT_TYPE)
+
+    return router
+
+
+# -- errors and limits ---------------------------------------------------------------------------
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> Response:
+        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+        loc = [str(part) for part in first.get("loc", ()) if part not in ("body", "query", "path")]
+        param = ".".join(loc) or None
+        message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
+        return _error(400, message, "invalid_request_error", param)
+
+    @app.exception_handler(BadRequest)
+    async def bad_request(request: Request, exc: BadRequest) -> Response:
+        return _error(400, exc.message, "invalid_request_error", exc.param)
+
+    @app.exception_handler(InvalidRetentionConfigError)
+    async def bad_retention(request: Request, exc: InvalidRetentionConfigError) -> Response:
+        return _error(400, f"retention: {exc}", "invalid_request_error", "retention")
+
+    @app.exception_handler(NotFound)
+    @app.exception_handler(UnknownBlockError)
+    @app.exception_handler(UnknownRequestError)
+    async def not_found(request: Request, exc: Exception) -> Response:
+        return _error(404, str(exc), "not_found_error")
+
+    @app.exception_handler(EngineError)
+    async def engine_refused(request: Request, exc: EngineError) -> Response:
+        if isinstance(exc, QueueFullError):
+            return _error(429, str(exc), "rate_limit_error", None, **{"Retry-After": "1"})
+        if isinstance(exc, DrainingError):
+            return _error(503, str(exc), "unavailable_error", None, **{"Retry-After": "5"})
+        if isinstance(exc, DuplicateJobError):
+            return _error(409, str(exc), "conflict_error", "request_id")
+        return _error(503, str(exc), "unavailable_error", None, **{"Retry-After": "1"})
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        kinds = {401: "authentication_error", 403: "permission_error", 404: "not_found_error"}
+        headers = dict(exc.headers or {})
+        if exc.status_code == 401:
+            headers.setdefault("WWW-Authenticate", "Bearer")
+        return _error(
+            exc.status_code, str(exc.detail), kinds.get(exc.status_code, "error"), None, **headers
+        )
+
+
+class BodyLimit:
+    """413 for a body over ``max_bytes``: by Content-Length up front, else while it streams."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        for name, value in scope["headers"]:
+            if name == b"content-length":
+                if not value.isdigit() or int(value) > self.max_bytes:
+                    await self._reject(send)
+                    return
+                break
+        received = 0
+        started = False
+
+        async def limited_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise _TooLarge
+            return message
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, tracking_send)
+        except _TooLarge:
+            if not started:
+                await self._reject(send)
+
+    async def _reject(self, send: Send) -> None:
+        body = orjson.dumps(
+            {
+                "error": {
+                    "message": f"request body is larger than {self.max_bytes} bytes",
+                    "type": "invalid_request_error",
+                    "param": None,
+                    "code": None,
+                }
+            }
+        )
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 413,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": body})
+
+
+class _TooLarge(Exception):
+    pass
+
+
+def install(app: FastAPI, settings: WorkerSettings) -> None:
+    _install_error_handlers(app)
+    app.include_router(_inference_router())
+    app.include_router(_admin_router(settings))
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)

@@ -1,0 +1,586 @@
+"""The worker's engine: the single writer of its ``KVCacheManager``, and continuous batching.
+
+Every manager call runs on one asyncio task, ``Engine.run``. HTTP handlers never touch the
+manager: they ``submit`` a ``Job`` (appended to the waiting queue, which only the engine pops),
+``cancel`` one (a flag the engine acts on), or ``call`` a function that the engine runs between
+two steps and whose result they await. Handlers and the engine share one thread, so what a
+handler reads between two steps is consistent.
+
+One iteration of the loop:
+
+1. run the queued admin calls, then act on cancellations;
+2. schedule (the manager's own capacity calls, as TensorRT-LLM's capacity scheduler):
+   * ``guaranteed_no_evict`` (TensorRT-LLM's default): every running request keeps
+     ``get_remaining_blocks_to_completion`` blocks in reserve; a waiting request is admitted only
+     when its own need to completion fits in what is left, so nobody is ever preempted;
+   * ``max_utilization``: decodes take ``get_needed_blocks_one_step``; when those do not fit,
+     the newest running requests are paused (``start_scheduling`` and
+     ``scheduling_remove_sequence`` tell how much that frees) and preempted: their blocks are
+     stored for reuse and released, and they go back to the head of the queue to be recomputed
+     (mostly from the cache) later. Waiting requests are admitted while their next-step need fits;
+   * the step's token budget (``max_tokens_per_step``) goes to decodes first (one token each),
+     then to prefill chunks in admission order, each a multiple of ``tokens_per_block`` unless it
+     completes its prompt (chunked prefill); admission is FIFO within a priority (lower value
+     first, as vLLM), and stops at the first request that does not fit (no overtaking);
+3. the back-end computes the step; with a real clock the engine sleeps out the modelled time,
+   with a virtual clock it advances the clock instead;
+4. bookkeeping: ``store_context_blocks`` when a prompt is complete, ``store_new_block`` after every
+   token, ``remove_sequence`` (storing for reuse) when a request is done; ``refresh_blocks``;
+5. the manager's events go to the ``EventPublisher`` and the recent-events ring; the load
+   figures (``load``) are refreshed for the publisher and the metrics.
+
+Manager protocol of one request: ``add_sequence`` allocates the prompt's blocks (reusing what
+is cached); prefill chunks run from the reused length; the token sampled after the prompt is
+appended to the request, and before each decode step ``add_token`` gives the sequence the slot
+for that last token's K/V. So during decoding the manager's sequence is one token shorter than
+the request: the last sampled token has no K/V yet, and it is never stored.
+
+A failure inside a step is logged; the requests of that step fail (their sequences are released
+without storing) and the loop carries on. It never dies silently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Literal, TypeVar
+
+from app.worker.backend import Backend, Decode, PrefillChunk, StepBatch, StepOutput
+from cache import KVCacheEvent, KVCacheManager, LlmRequest, OutOfBlocksError, RequestState
+from cache.retention import RetentionConfig
+from events.publisher import EventPublisher, manager_load
+
+__all__ = [
+    "DrainingError",
+    "DuplicateJobError",
+    "Engine",
+    "EngineConfig",
+    "EngineError",
+    "Job",
+    "JobState",
+    "QueueFullError",
+    "VirtualClock",
+]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class EngineError(Exception):
+    """Base of the engine's refusals (mapped to HTTP statuses in ``app.worker.api``)."""
+
+
+class QueueFullError(EngineError):
+    """The waiting queue is full (429)."""
+
+
+class DrainingError(EngineError):
+    """The worker is shutting down and admits nothing new (503)."""
+
+
+class DuplicateJobError(EngineError):
+    """A live request already has this id (409)."""
+
+
+class JobState(Enum):
+    WAITING = "waiting"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    FINISHED = "finished"
+
+
+class VirtualClock:
+    """A clock that moves only when the engine says a step took time (sim back-end)."""
+
+    def __init__(self, start: float = 0.0) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@dataclass(slots=True, eq=False)
+class Job:
+    """One completion request, from submission to its last token."""
+
+    job_id: str
+    prompt: list[int]
+    max_tokens: int
+    seed: int
+    priority: int = 0
+    lora_task_id: int | None = None
+    cache_salt: str | None = None
+    cache_salt_id: int | None = None
+    retention: RetentionConfig | None = None
+
+    state: JobState = JobState.WAITING
+    request_id: int = -1  # the manager's id while admitted
+    request: LlmRequest | None = None
+    position: int = 0  # next prompt position to compute (prefill)
+    output: list[int] = field(default_factory=list)
+    cached_tokens: int = 0  # prompt tokens reused at the admission that completed the prefill
+    num_preemptions: int = 0
+    finish_reason: Literal["length", "cancelled", "aborted", "error"] | None = None
+    error: str | None = None
+    cancel_requested: bool = False
+    arrival_s: float = 0.0
+    admitted_s: float | None = None
+    first_token_s: float | None = None
+    finished_s: float | None = None
+    # Set by the engine whenever output or state changes; readers clear it before reading.
+    updated: asyncio.Event = field(default_factory=asyncio.Event)
+    done: asyncio.Future[None] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future()
+    )
+
+    @property
+    def finished(self) -> bool:
+        return self.state is JobState.FINISHED
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    max_batch_size: int = 64
+    max_tokens_per_step: int = 8_192
+    max_queue_len: int = 1_024
+    max_seq_len: int = 8_192
+    scheduler: Literal["guaranteed_no_evict", "max_utilization"] = "guaranteed_no_evict"
+    events_ring_size: int = 4_096
+
+
+@dataclass(slots=True)
+class EngineStats:
+    steps: int = 0
+    prefill_tokens: int = 0  # prompt tokens computed
+    reused_tokens: int = 0  # prompt tokens whose KV cache was reused
+    generated_tokens: int = 0
+    submitted: int = 0
+    finished: int = 0
+    cancelled: int = 0
+    failed: int = 0
+    preemptions: int = 0
+    errors: int = 0
+    events: int = 0
+
+
+class Engine:
+    """The engine loop and its queues; see the module docstring."""
+
+    def __init__(
+        self,
+        mgr: KVCacheManager,
+        backend: Backend,
+        config: EngineConfig,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        publisher: EventPublisher | None = None,
+        on_step: Callable[[float, StepBatch], None] | None = None,
+        on_first_token: Callable[[Job], None] | None = None,
+    ) -> None:
+        self.mgr = mgr
+        self.backend = backend
+        self.config = config
+        self.clock = clock
+        self.virtual = isinstance(clock, VirtualClock)
+        self.publisher = publisher
+        self.on_step = on_step
+        self.on_first_token = on_first_token
+        self.tokens_per_block = mgr.tokens_per_block
+        self.jobs: dict[str, Job] = {}  # live jobs (waiting or running) by id
+        self.running: list[Job] = []  # admission order
+        self._waiting: list[tuple[int, int, Job]] = []  # heap of (priority, arrival seq, job)
+        self._num_waiting = 0
+        self._seq = itertools.count()
+        self._request_ids = itertools.count(1)
+        self._calls: deque[tuple[Callable[[KVCacheManager], Any], asyncio.Future[Any]]] = deque()
+        self._cancels: list[Job] = []
+        self._wakeup = asyncio.Event()
+        self._stopped = False
+        self.draining = False
+        self.stats = EngineStats()
+        self.recent_events: deque[KVCacheEvent] = deque(maxlen=config.events_ring_size)
+        self.load: dict[str, int] = {}
+        self._dropped_seen = 0  # manager events dropped, as last reported to the publisher
+        self._refresh_load()
+
+    # -- handlers' side ------------------------------------------------------------------------
+
+    @property
+    def num_waiting(self) -> int:
+        return self._num_waiting
+
+    def submit(self, job: Job) -> None:
+        """Queue a job (never waits). Raises DrainingError, DuplicateJobError, QueueFullError."""
+        if self.draining or self._stopped:
+            raise DrainingError("the worker is shutting down")
+        if job.job_id in self.jobs:
+            raise DuplicateJobError(f"request_id {job.job_id!r} is already in flight")
+        if self._num_waiting >= self.config.max_queue_len:
+            raise QueueFullError(
+                f"the queue is full ({self._num_waiting} of {self.config.max_queue_len} waiting)"
+            )
+        job.arrival_s = self.clock()
+        self.jobs[job.job_id] = job
+        self._enqueue(job)
+        self.stats.submitted += 1
+        self._wakeup.set()
+
+    def cancel(self, job_id: str) -> bool:
+        """Ask the engine to cancel a live job (its blocks are freed at the next iteration)."""
+        job = self.jobs.get(job_id)
+        if job is None or job.cancel_requested:
+            return job is not None
+        job.cancel_requested = True
+        self._cancels.append(job)
+        self._wakeup.set()
+        return True
+
+    async def call(self, fn: Callable[[KVCacheManager], T]) -> T:
+        """Run ``fn(manager)`` on the engine task between two steps and return its result."""
+        if self._stopped:
+            raise DrainingError("the engine has stopped")
+        future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        self._calls.append((fn, future))
+        self._wakeup.set()
+        return await future
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """The engine task: iterate while there is work, sleep on the wake-up event otherwise."""
+        while not self._stopped:
+            if not (self._calls or self._cancels or self.running or self._num_waiting):
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            started = time.perf_counter()
+            batch = StepBatch()
+            output: StepOutput | None = None
+            try:
+                self._run_calls()
+                self._process_cancels()
+                batch = self._schedule()
+                if batch:
+                    output = self.backend.execute(batch)
+            except Exception:
+                self._fail_step(batch)
+            model_time = output.model_time_s if output is not None else 0.0
+            if self.virtual:
+                assert isinstance(self.clock, VirtualClock)
+                self.clock.advance(model_time)
+            else:
+                remaining = model_time - (time.perf_counter() - started)
+                if remaining > 0:
+                    await asyncio.sleep(remaining)
+            try:
+                if output is not None:
+                    self._apply(batch, output)
+                self.mgr.refresh_blocks()
+                self._publish()
+            except Exception:
+                self._fail_step(batch)
+            if batch:
+                self.stats.steps += 1
+                if self.on_step is not None:
+                    self.on_step(time.perf_counter() - started, batch)
+            # Let handlers run between steps even when a step takes no modelled time.
+            await asyncio.sleep(0)
+
+    def stop(self) -> None:
+        """End the loop after the current iteration; pending calls fail."""
+        self._stopped = True
+        self._wakeup.set()
+        while self._calls:
+            _, future = self._calls.popleft()
+            if not future.done():
+                future.set_exception(DrainingError("the engine has stopped"))
+
+    async def drain(self, timeout_s: float) -> int:
+        """Admit nothing new, give live jobs ``timeout_s`` to finish, abort the rest.
+
+        Returns how many were aborted."""
+        self.draining = True
+        deadline = time.monotonic() + timeout_s
+        while self.jobs and time.monotonic() < deadline:
+            job = next(iter(self.jobs.values()))
+            try:
+                await asyncio.wait_for(asyncio.shield(job.done), deadline - time.monotonic())
+            except TimeoutError:
+                break
+        aborted = list(self.jobs.values())
+        for job in aborted:
+            job.cancel_requested = True
+            self._cancels.append(job)
+        if aborted:
+            self._wakeup.set()
+            await asyncio.gather(*(asyncio.shield(job.done) for job in aborted))
+        return len(aborted)
+
+    # -- queue ---------------------------------------------------------------------------------
+
+    def _enqueue(self, job: Job, seq: int | None = None) -> None:
+        job.state = JobState.WAITING
+        heapq.heappush(self._waiting, (job.priority, next(self._seq) if seq is None else seq, job))
+        self._num_waiting += 1
+
+    def _peek_waiting(self) -> Job | None:
+        while self._waiting:
+            job = self._waiting[0][2]
+            if job.state is JobState.WAITING:
+                return job
+            heapq.heappop(self._waiting)  # cancelled while waiting
+        return None
+
+    # -- one iteration -------------------------------------------------------------------------
+
+    def _run_calls(self) -> None:
+        while self._calls:
+            fn, future = self._calls.popleft()
+            if future.done():  # the caller went away
+                continue
+            try:
+                future.set_result(fn(self.mgr))
+            except Exception as exc:
+                future.set_exception(exc)
+
+    def _process_cancels(self) -> None:
+        cancels, self._cancels = self._cancels, []
+        for job in cancels:
+            if job.finished:
+                continue
+            if job.state is JobState.WAITING:
+                self._num_waiting -= 1
+            else:
+                self._release(job, store=job.state is JobState.DECODE)
+            reason: Literal["cancelled", "aborted"] = "aborted" if self.draining else "cancelled"
+            self._finish(job, reason)
+            self.stats.cancelled += 1
+
+    def _schedule(self) -> StepBatch:
+        mgr = self.mgr
+        batch = StepBatch()
+        budget = self.config.max_tokens_per_step
+        if self.config.scheduler == "max_utilization":
+            free = self._make_room_for_decodes()
+        else:
+            free = mgr.get_num_free_blocks() - sum(
+                mgr.get_remaining_blocks_to_completion(job.request)
+                for job in self.running
+                if job.request is not None
+            )
+        # Decodes: one token each; the slot for the last sampled token's K/V first.
+        for job in list(self.running):
+            if job.state is JobState.DECODE and budget > 0:
+                request = job.request
+                assert request is not None
+                try:
+                    mgr.add_token(job.request_id)
+                except OutOfBlocksError:  # only when the reservation was short
+                    self._preempt(job)
+                    continue
+                batch.decodes.append(Decode(job.request_id, request.tokens, job.seed))
+                budget -= 1
+        # Admission: FIFO within a priority, no overtaking.
+        while len(self.running) < self.config.max_batch_size and budget > 0:
+            head = self._peek_waiting()
+            if head is None:
+                break
+            # Built once while it waits: a request hashes its prompt on first use.
+            request = head.request or self._new_request(head)
+            head.request = request
+            if self.config.scheduler == "max_utilization":
+                need = mgr.get_needed_blocks_one_step(request)
+            else:
+                need = mgr.get_remaining_blocks_to_completion(request)
+            if need > free:
+                break
+            try:
+                reused = mgr.add_sequence(request)
+            except OutOfBlocksError:
+                break
+            free -= need
+            heapq.heappop(self._waiting)
+            self._num_waiting -= 1
+            head.state = JobState.PREFILL
+            head.position = reused
+            head.cached_tokens = reused
+            if head.admitted_s is None:
+                head.admitted_s = self.clock()
+            self.running.append(head)
+        # Prefill chunks in admission order, within the token budget.
+        tpb = self.tokens_per_block
+        for job in self.running:
+            if job.state is not JobState.PREFILL or budget <= 0:
+                continue
+            request = job.request
+            assert request is not None
+            remaining = request.prompt_len - job.position
+            chunk = min(remaining, budget)
+            if chunk < remaining:
+                chunk -= chunk % tpb
+                if chunk == 0:
+                    continue
+            batch.prefills.append(
+                PrefillChunk(
+                    job.request_id, request.tokens, job.position, job.position + chunk, job.seed
+                )
+            )
+            budget -= chunk
+        return batch
+
+    def _make_room_for_decodes(self) -> int:
+        """max_utilization: preempt the newest running jobs until every decode fits; returns
+        the blocks left free for admissions."""
+        mgr = self.mgr
+        decoding = [job for job in self.running if job.state is JobState.DECODE]
+        need = sum(mgr.get_needed_blocks_one_step(job.request) for job in decoding if job.request)
+        free = mgr.get_num_free_blocks()
+        if need <= free:
+            return free - need
+        mgr.start_scheduling()
+        victims: list[Job] = []
+        for job in reversed(self.running):
+            if need <= mgr.get_scheduling_num_free_blocks():
+                break
+            mgr.scheduling_remove_sequence(job.request_id)
+            victims.append(job)
+            if job.state is JobState.DECODE and job.request is not None:
+                need -= mgr.get_needed_blocks_one_step(job.request)
+        for job in victims:
+            self._preempt(job)
+        return max(mgr.get_num_free_blocks() - need, 0)
+
+    def _new_request(self, job: Job) -> LlmRequest:
+        """The manager's view of a job: prompt plus what it generated before a preemption."""
+        request = LlmRequest(
+            next(self._request_ids),
+            job.prompt + job.output if job.output else job.prompt,
+            max_new_tokens=job.max_tokens - len(job.output),
+            lora_task_id=job.lora_task_id,
+            cache_salt_id=job.cache_salt_id,
+            cache_salt=job.cache_salt,
+            retention=job.retention,
+        )
+        job.request_id = request.request_id
+        return request
+
+    def _apply(self, batch: StepBatch, output: StepOutput) -> None:
+        mgr = self.mgr
+        tokens = output.tokens
+        jobs = self._running_by_request_id()
+        now = self.clock()
+        for chunk in batch.prefills:
+            job = jobs.get(chunk.request_id)
+            if job is None:
+                continue
+            request = job.request
+            assert request is not None
+            job.position = chunk.end
+            request.context_current_position = chunk.end
+            request.is_first_context_chunk = False
+            self.stats.prefill_tokens += chunk.end - chunk.start
+            if chunk.completes_prompt:
+                mgr.store_context_blocks(request)
+                request.state = RequestState.GENERATION_IN_PROGRESS
+                job.state = JobState.DECODE
+                self.stats.reused_tokens += job.cached_tokens
+                self._emit(job, request, tokens[chunk.request_id], now)
+        for decode in batch.decodes:
+            job = jobs.get(decode.request_id)
+            if job is not None:
+                assert job.request is not None
+                self._emit(job, job.request, tokens[decode.request_id], now)
+        if any(job.finished for job in self.running):
+            self.running = [job for job in self.running if not job.finished]
+
+    def _emit(self, job: Job, request: LlmRequest, token: int, now: float) -> None:
+        request.add_new_token(token)
+        self.mgr.store_new_block(request)
+        job.output.append(token)
+        self.stats.generated_tokens += 1
+        if job.first_token_s is None:
+            job.first_token_s = now
+            if self.on_first_token is not None:
+                self.on_first_token(job)
+        if len(job.output) >= job.max_tokens:
+            self._release(job, store=True)
+            self._finish(job, "length")
+            self.stats.finished += 1
+        else:
+            job.updated.set()
+
+    def _running_by_request_id(self) -> dict[int, Job]:
+        return {job.request_id: job for job in self.running}
+
+    def _release(self, job: Job, *, store: bool) -> None:
+        """Give a running job's blocks back (stored for reuse first when ``store``)."""
+        if job.request is not None and job.request_id in self.mgr.sequences:
+            self.mgr.remove_sequence(job.request_id, job.request if store else None)
+        job.request = None
+        if job in self.running:
+            self.running.remove(job)
+
+    def _preempt(self, job: Job) -> None:
+        """Free a running job's blocks and queue it again (recomputed later, mostly cached)."""
+        logger.info(
+            "preempting %s (%d prompt + %d generated tokens): out of blocks",
+            job.job_id,
+            len(job.prompt),
+            len(job.output),
+        )
+        self._release(job, store=job.state is JobState.DECODE)
+        job.num_preemptions += 1
+        self.stats.preemptions += 1
+        self._enqueue(job, seq=-job.num_preemptions)  # ahead of every new arrival
+
+    def _finish(self, job: Job, reason: Literal["length", "cancelled", "aborted", "error"]) -> None:
+        job.state = JobState.FINISHED
+        job.finish_reason = reason
+        job.finished_s = self.clock()
+        self.jobs.pop(job.job_id, None)
+        job.updated.set()
+        if not job.done.done():
+            job.done.set_result(None)
+
+    def _fail_step(self, batch: StepBatch) -> None:
+        """A step raised: log it, fail the jobs it touched, keep the loop alive."""
+        self.stats.errors += 1
+        logger.exception("engine step failed; failing the requests of this step")
+        ids = {c.request_id for c in batch.prefills} | {d.request_id for d in batch.decodes}
+        for job in [job for job in self.running if job.request_id in ids]:
+            try:
+                self._release(job, store=False)
+            except Exception:
+                logger.exception("could not release the blocks of %s", job.job_id)
+                if job in self.running:
+                    self.running.remove(job)
+            job.error = "internal error in the engine step"
+            self._finish(job, "error")
+            self.stats.failed += 1
+
+    def _publish(self) -> None:
+        events = self.mgr.take_events()
+        total_dropped = self.mgr.num_dropped_events
+        dropped, self._dropped_seen = total_dropped - self._dropped_seen, total_dropped
+        if events:
+            self.recent_events.extend(events)
+            self.stats.events += len(events)
+        if self.publisher is not None and (events or dropped):
+            self.publisher.publish(events, dropped=dropped)
+        self._refresh_load()
+
+    def _refresh_load(self) -> None:
+        load = manager_load(self.mgr, num_waiting=self._num_waiting)
+        load["running_requests"] = len(self.running)
+        self.load = load

@@ -1,0 +1,311 @@
+"""The worker process: ``WorkerRuntime`` (everything one worker owns), ``create_app`` and ``serve``.
+
+``WorkerRuntime.start(settings)`` builds, in order: the embedded Redis when no URL is given,
+the ``KVCacheManager`` and its torch pools, the back-end, the engine, and the
+``EventPublisher`` (whose start writes the first snapshot, the registry entry and the
+heartbeat); then it starts the engine task. ``aclose`` stops admitting, stops the engine,
+flushes the events and unregisters (the publisher's ``aclose``), and stops the embedded Redis.
+
+``create_app(settings)`` is the FastAPI application; its lifespan owns a runtime, so nothing is
+created at import time and tests run the whole worker in-process through httpx's
+``ASGITransport``. ``serve(settings)`` runs it under uvicorn (uvloop, httptools) and handles
+SIGTERM and SIGINT itself: stop admitting (503 with Retry-After), give in-flight requests
+``drain_timeout_s``, abort the rest, flush the events, then let uvicorn exit. A second signal
+exits at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI
+from redis.asyncio import Redis
+
+from app.redis_server import EmbeddedRedis
+from app.worker.backend import Backend, SimBackend, SimTiming
+from app.worker.engine import Engine, EngineConfig, Job, VirtualClock
+from app.worker.metrics import WorkerMetrics
+from app.worker.settings import WorkerSettings
+from cache import KVCacheManager, block_hashes_for_tokens
+from events.publisher import EventPublisher, manager_registry_entry, redis_client
+from events.snapshot import manager_snapshot
+
+__all__ = ["WorkerRuntime", "build_manager", "create_app", "serve"]
+
+logger = logging.getLogger(__name__)
+
+# Events the manager may hold between two drains (one step); the engine drains every step.
+EVENT_BUFFER = 1_000_000
+
+
+def build_manager(settings: WorkerSettings) -> KVCacheManager:
+    shape = settings.shape
+    primary, secondary = settings.blocks_per_level()
+    return KVCacheManager(
+        num_layers=shape.num_layers,
+        num_kv_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
+        tokens_per_block=shape.tokens_per_block,
+        blocks_per_window={shape.max_seq_len: (primary, secondary)},
+        max_num_sequences=settings.max_batch_size,
+        max_sequence_length=shape.max_seq_len,
+        dtype=settings.torch_dtype,
+        device=settings.device,
+        enable_block_reuse=settings.enable_block_reuse,
+        enable_partial_reuse=settings.enable_partial_reuse,
+        event_buffer_max_size=EVENT_BUFFER,
+        allocate_pools=settings.allocate_pools,
+        report_leaf_takeover=True,  # the stream stays exact for the routers' index
+    )
+
+
+def build_backend(settings: WorkerSettings, mgr: KVCacheManager) -> Backend:
+    shape = settings.shape
+    if settings.engine == "torch":
+        from app.worker.torch_backend import TinyDecoder, TinyDecoderConfig, TorchBackend
+
+        config = TinyDecoderConfig(
+            num_layers=shape.num_layers,
+            num_heads=shape.num_heads,
+            num_kv_heads=shape.num_kv_heads,
+            head_dim=shape.head_dim,
+            vocab_size=shape.vocab_size,
+            dtype=settings.torch_dtype,
+        )
+        return TorchBackend(mgr, TinyDecoder(config))
+    timing = SimTiming(
+        step_overhead_s=settings.sim_step_overhead_ms / 1e3,
+        prefill_s_per_token=settings.sim_prefill_us_per_token / 1e6,
+        decode_s_per_sequence=settings.sim_decode_us_per_sequence / 1e6,
+    )
+    return SimBackend(shape.vocab_size, timing)
+
+
+@dataclass(eq=False)
+class WorkerRuntime:
+    settings: WorkerSettings
+    mgr: KVCacheManager
+    backend: Backend
+    engine: Engine
+    publisher: EventPublisher
+    metrics: WorkerMetrics
+    redis: Redis
+    embedded_redis: EmbeddedRedis | None = None
+    engine_task: asyncio.Task[None] | None = None
+    started_at: float = field(default_factory=time.time)
+
+    @classmethod
+    async def start(cls, settings: WorkerSettings) -> WorkerRuntime:
+        embedded: EmbeddedRedis | None = None
+        redis_url = settings.redis_url
+        if redis_url is None:
+            embedded = await asyncio.to_thread(EmbeddedRedis().start)
+            redis_url = embedded.url
+            logger.info(
+                "worker %s: started a private redis-server at %s", settings.worker_id, redis_url
+            )
+        mgr = build_manager(settings)
+        backend = build_backend(settings, mgr)
+        # The hasher is compiled on first use (numba): pay that now, not in the first request.
+        await asyncio.to_thread(
+            block_hashes_for_tokens, list(range(2 * mgr.tokens_per_block)), mgr.tokens_per_block
+        )
+        shape = settings.shape
+        config = EngineConfig(
+            max_batch_size=settings.max_batch_size,
+            max_tokens_per_step=settings.max_tokens_per_step,
+            max_queue_len=settings.max_queue_len,
+            max_seq_len=shape.max_seq_len,
+            scheduler=settings.scheduler,
+            events_ring_size=settings.events_ring_size,
+        )
+        metrics = WorkerMetrics()
+        clock = VirtualClock() if settings.virtual_clock else time.monotonic
+        engine = Engine(
+            mgr,
+            backend,
+            config,
+            clock=clock,
+            on_step=metrics.observe_step,
+            on_first_token=lambda job: metrics.observe_ttft(job),
+        )
+        registry = manager_registry_entry(mgr, url=settings.url, device=settings.device)
+        registry.update(
+            engine=settings.engine,
+            model=settings.model,
+            vocab_size=shape.vocab_size,
+            max_seq_len=shape.max_seq_len,
+        )
+        publisher = EventPublisher(
+            redis_url,
+            settings.worker_id,
+            snapshot_source=lambda: manager_snapshot(mgr),
+            registry_entry=registry,
+            load_source=lambda: engine.load,
+            maxlen=settings.stream_maxlen,
+            heartbeat_ttl_s=settings.heartbeat_ttl_s,
+            heartbeat_interval_s=min(1.0, settings.heartbeat_ttl_s / 3),
+            load_interval_s=0.5,
+        )
+        engine.publisher = publisher
+        runtime = cls(
+            settings,
+            mgr,
+            backend,
+            engine,
+            publisher,
+            metrics,
+            redis_client(redis_url, socket_timeout=1.0),
+            embedded,
+        )
+        metrics.bind(runtime)
+        await publisher.start()
+        runtime.engine_task = asyncio.create_task(
+            engine.run(), name=f"kvmesh-engine-{settings.worker_id}"
+        )
+        runtime.engine_task.add_done_callback(runtime._engine_done)
+        primary, secondary = settings.blocks_per_level()
+        logger.info(
+            "worker %s: ready at %s (engine %s, model %s, %d GPU + %d host blocks of %d tokens)",
+            settings.worker_id,
+            settings.url,
+            settings.engine,
+            settings.model,
+            primary,
+            secondary,
+            shape.tokens_per_block,
+        )
+        return runtime
+
+    def _engine_done(self, task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            logger.error(
+                "worker %s: the engine task died",
+                self.settings.worker_id,
+                exc_info=task.exception(),
+            )
+
+    @property
+    def engine_alive(self) -> bool:
+        return self.engine_task is not None and not self.engine_task.done()
+
+    async def redis_ok(self) -> bool:
+        try:
+            async with asyncio.timeout(1.0):
+                await self.redis.ping()
+        except Exception:
+            return False
+        return True
+
+    async def drain(self) -> None:
+        """Stop admitting, let in-flight requests finish (or abort them), flush the events."""
+        settings = self.settings
+        self.engine.draining = True
+        logger.info(
+            "worker %s: draining %d request(s) (at most %.1f s)",
+            settings.worker_id,
+            len(self.engine.jobs),
+            settings.drain_timeout_s,
+        )
+        aborted = await self.engine.drain(settings.drain_timeout_s)
+        if aborted:
+            logger.warning(
+                "worker %s: aborted %d request(s) at shutdown", settings.worker_id, aborted
+            )
+        with contextlib.suppress(TimeoutError):
+            await self.publisher.flush(timeout=5.0)
+
+    async def aclose(self) -> None:
+        if not self.engine.draining:
+            await self.drain()
+        self.engine.stop()
+        if self.engine_task is not None:
+            await asyncio.gather(self.engine_task, return_exceptions=True)
+        await self.publisher.aclose()
+        await self.redis.aclose()
+        if self.embedded_redis is not None:
+            await asyncio.to_thread(self.embedded_redis.stop)
+        logger.info("worker %s: stopped", self.settings.worker_id)
+
+    def job_for(self, job_id: str) -> Job | None:
+        return self.engine.jobs.get(job_id)
+
+
+def create_app(settings: WorkerSettings) -> FastAPI:
+    from app.worker.api import install
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
+        runtime = await WorkerRuntime.start(settings)
+        app.state.runtime = runtime
+        try:
+            yield {"runtime": runtime}
+        finally:
+            await runtime.aclose()
+
+    app = FastAPI(
+        title=f"kvmesh worker {settings.worker_id}",
+        summary="One GPU's KV cache: OpenAI-compatible completions and the admin API",
+        lifespan=lifespan,
+    )
+    install(app, settings)
+    return app
+
+
+class _Server(uvicorn.Server):
+    """uvicorn, with SIGTERM/SIGINT turned into a drain before the exit."""
+
+    def __init__(self, config: uvicorn.Config, app: FastAPI) -> None:
+        super().__init__(config)
+        self._app = app
+        self._draining: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def serve(self, sockets: Any = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        runtime: WorkerRuntime | None = getattr(self._app.state, "runtime", None)
+        if self._draining is not None or runtime is None or self._loop is None:
+            super().handle_exit(sig, frame)  # a second signal, or not started: exit now
+            if self._draining is not None:
+                self.force_exit = True
+            return
+        logger.info("worker %s: %s received", runtime.settings.worker_id, signal.Signals(sig).name)
+        self._loop.call_soon_threadsafe(self._start_drain, runtime)
+
+    def _start_drain(self, runtime: WorkerRuntime) -> None:
+        async def drain_then_exit() -> None:
+            try:
+                await runtime.drain()
+            finally:
+                self.should_exit = True
+
+        self._draining = asyncio.create_task(drain_then_exit(), name="kvmesh-drain")
+
+
+def serve(settings: WorkerSettings) -> None:
+    """Run the worker until SIGTERM/SIGINT (blocking)."""
+    app = create_app(settings)
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        loop="uvloop",
+        http="httptools",
+        log_level=settings.log_level.lower(),
+        access_log=False,
+        lifespan="on",
+        timeout_graceful_shutdown=5,
+    )
+    _Server(config, app).run()
