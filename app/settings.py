@@ -29,6 +29,11 @@ class Settings(BaseSettings):
     admin_token: SecretStr | None = None
     log_level: LogLevel = "INFO"
 
+    @field_validator("redis_url", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, value: object) -> object:
+        return None if value == "" else value
+
     @field_validator("log_level", mode="before")
     @classmethod
     def _upper_log_level(cls, value: object) -> object:

@@ -1,0 +1,181 @@
+"""The worker's engine under load and under pressure, and the torch back-end end to end."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections import Counter
+from typing import Any
+
+import httpx
+import pytest
+
+from app.worker.torch_backend import TinyDecoder, TinyDecoderConfig, dense_generate
+from tests.app.test_worker_api import complete, expected_output, tree
+from tests.app.worker_support import AUTH, worker_client, worker_settings
+from tests.events.support import index_blocks, make_consumer, wait_until
+
+
+@pytest.mark.parametrize("scheduler", ["guaranteed_no_evict", "max_utilization"])
+async def test_a_thousand_concurrent_completions_on_a_small_pool(
+    clean_redis_url: str, scheduler: str
+) -> None:
+    """Every call completes (with the right tokens) or is refused with 429; none is lost; all
+    blocks are free at the end; the published events rebuild the worker's tree exactly."""
+    rng = random.Random(8)
+    prefixes = [[rng.randrange(512) for _ in range(48)] for _ in range(5)]
+    requests: list[dict[str, Any]] = []
+    for i in range(1_000):
+        prefix = prefixes[rng.randrange(5)][: rng.randrange(1, 49)]
+        tail = [rng.randrange(512) for _ in range(rng.randrange(0, 40))]
+        requests.append(
+            {"prompt": prefix + tail, "max_tokens": rng.randrange(1, 24), "request_id": f"r{i}"}
+        )
+    settings = worker_settings(
+        clean_redis_url,
+        num_gpu_blocks=48,
+        max_batch_size=16,
+        max_queue_len=300,
+        max_tokens_per_step=256,
+        scheduler=scheduler,
+    )
+    async with (
+        worker_client(settings) as (client, runtime),
+        make_consumer(clean_redis_url) as consumer,
+    ):
+        responses = await asyncio.gather(
+            *(client.post("/v1/completions", json=body) for body in requests)
+        )
+        statuses = Counter(r.status_code for r in responses)
+        assert set(statuses) <= {200, 429}
+        assert statuses[200] >= 300
+        for body, response in zip(requests, responses, strict=True):
+            if response.status_code == 200:
+                data = response.json()
+                assert data["choices"][0]["token_ids"] == expected_output(
+                    body["prompt"], body["max_tokens"]
+                )
+            else:
+                assert response.headers["retry-after"] == "1"
+        stats = runtime.engine.stats
+        assert (stats.submitted, stats.finished, stats.cancelled, stats.failed) == (
+            statuses[200],
+            statuses[200],
+            0,
+            0,
+        )
+        assert runtime.engine.jobs == {}
+        assert runtime.mgr.get_num_free_blocks() == 48
+        assert runtime.mgr.verify_queue_integrity()
+        await runtime.publisher.flush(5.0)
+        assert runtime.mgr.events is not None
+        last = runtime.mgr.events.next_event_id - 1
+        await wait_until(lambda: consumer.last_seq("w0") == last)
+        assert index_blocks(consumer.index, "w0") == tree(runtime)
+        assert runtime.publisher.stats()["dropped"] == 0
+    if scheduler == "max_utilization":
+        assert stats.preemptions > 0
+    else:
+        assert stats.preemptions == 0
+
+
+TWO_LONG = {
+    "num_gpu_blocks": 8,
+    "max_batch_size": 4,
+    "max_tokens_per_step": 1_024,
+    "sim_step_overhead_ms": 2.0,  # both arrive before A is done
+}
+
+
+async def _two_long_requests(client: httpx.AsyncClient) -> list[dict[str, Any]]:
+    """A and B, each 2 prompt blocks growing to 6: together they need 12 of the 8 blocks."""
+    prompts = {"A": list(range(32)), "B": list(range(100, 132))}
+    bodies: list[dict[str, Any]] = [
+        {"prompt": prompt, "max_tokens": 64, "request_id": name} for name, prompt in prompts.items()
+    ]
+    first = asyncio.create_task(client.post("/v1/completions", json=bodies[0]))
+    await asyncio.sleep(0)  # A arrives first
+    second = asyncio.create_task(client.post("/v1/completions", json=bodies[1]))
+    results = [(await first).json(), (await second).json()]
+    for body, data in zip(bodies, results, strict=True):
+        assert data["choices"][0]["token_ids"] == expected_output(prompts[body["request_id"]], 64)
+    return results
+
+
+async def test_max_utilization_preempts_the_newest_and_recomputes_it(clean_redis_url: str) -> None:
+    settings = worker_settings(clean_redis_url, scheduler="max_utilization", **TWO_LONG)
+    async with worker_client(settings) as (client, runtime):
+        a, b = await _two_long_requests(client)
+        assert runtime.engine.stats.preemptions == 1
+        assert runtime.mgr.get_num_free_blocks() == 8
+    assert (a["kvmesh"]["preemptions"], b["kvmesh"]["preemptions"]) == (0, 1)
+
+
+async def test_guaranteed_no_evict_makes_the_second_wait(clean_redis_url: str) -> None:
+    settings = worker_settings(clean_redis_url, scheduler="guaranteed_no_evict", **TWO_LONG)
+    async with worker_client(settings) as (client, runtime):
+        a, b = await _two_long_requests(client)
+        assert runtime.engine.stats.preemptions == 0
+    assert (a["kvmesh"]["preemptions"], b["kvmesh"]["preemptions"]) == (0, 0)
+    # B was admitted only when A finished.
+    assert b["kvmesh"]["queue_ms"] >= a["kvmesh"]["e2e_ms"] - a["kvmesh"]["queue_ms"] - 1.0
+
+
+async def test_priority_orders_the_queue(clean_redis_url: str) -> None:
+    settings = worker_settings(clean_redis_url, max_batch_size=1, sim_step_overhead_ms=5.0)
+    async with worker_client(settings) as (client, runtime):
+        blocker = asyncio.create_task(
+            client.post("/v1/completions", json={"prompt": [1], "max_tokens": 5})
+        )
+        await wait_until(lambda: len(runtime.engine.running) == 1)
+        order: list[str] = []
+
+        async def send(name: str, priority: int) -> None:
+            body = {"prompt": [2], "max_tokens": 1, "priority": priority, "request_id": name}
+            await client.post("/v1/completions", json=body)
+            order.append(name)
+
+        tasks = [asyncio.create_task(send(n, p)) for n, p in (("low", 5), ("high", -5), ("mid", 0))]
+        await wait_until(lambda: runtime.engine.num_waiting == 3)
+        await asyncio.gather(blocker, *tasks)
+    assert order == ["high", "mid", "low"]
+
+
+# -- the torch back-end: reuse must give the same tokens as a dense run --------------------------
+
+
+async def test_torch_engine_output_equals_dense_with_reuse_and_onboarding(
+    clean_redis_url: str,
+) -> None:
+    settings = worker_settings(
+        clean_redis_url,
+        engine="torch",
+        num_gpu_blocks=12,
+        num_host_blocks=16,
+        max_seq_len=256,
+        max_tokens_per_step=48,  # chunked prefill
+    )
+    model = TinyDecoder(TinyDecoderConfig())
+    rng = random.Random(1)
+    shared = [rng.randrange(512) for _ in range(40)]
+    a = [*shared, *(rng.randrange(512) for _ in range(30))]  # 70 tokens
+    b = [*shared[:37], *(rng.randrange(512) for _ in range(20))]  # shares 37: mid-block
+    expected = {name: dense_generate(model, p, 12) for name, p in (("a", a), ("b", b))}
+    async with worker_client(settings) as (client, runtime):
+        cold = await complete(client, prompt=a, max_tokens=12)
+        warm = await complete(client, prompt=a, max_tokens=12)
+        partial = await complete(client, prompt=b, max_tokens=12)
+        offload = await client.post("/cache/offload", json={}, headers=AUTH)
+        levels = {blk["level"] for blk in (await client.get("/blocks")).json()["blocks"]}
+        onboarded = await complete(client, prompt=a, max_tokens=12)
+        assert runtime.mgr.get_num_free_blocks() == 12
+    assert cold["choices"][0]["token_ids"] == expected["a"]
+    assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert warm["choices"][0]["token_ids"] == expected["a"]
+    assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] == 69
+    assert partial["choices"][0]["token_ids"] == expected["b"]
+    assert partial["usage"]["prompt_tokens_details"]["cached_tokens"] == 37
+    assert offload.json()["count"] > 0
+    assert levels == {1}  # everything the tree holds went to the host
+    assert onboarded["choices"][0]["token_ids"] == expected["a"]
+    assert onboarded["usage"]["prompt_tokens_details"]["cached_tokens"] == 69
