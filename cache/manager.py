@@ -624,6 +624,8 @@ class KVCacheManager:
 
     def offload_reusable_blocks(self, max_blocks: int | None = None) -> int:
         """Offload unheld cached primary blocks to free host slots (reported Updated)."""
+        if max_blocks is not None and max_blocks < 0:
+            raise ValueError(f"max_blocks must be >= 0, got {max_blocks}")
         moved = 0
         for wm in self.windows.values():
             left = None if max_blocks is None else max_blocks - moved
@@ -633,8 +635,14 @@ class KVCacheManager:
     def pin_blocks_by_hash(
         self, block_hashes: Sequence[int], window_size: int | None = None
     ) -> list[int]:
-        """Pin cached blocks so that they are not evicted; unpin with `unpin_blocks_by_id`."""
+        """Pin cached blocks, with their ancestors, so that they are not evicted."""
         return self._window(window_size).pin_blocks_by_hash(block_hashes)
+
+    def unpin_blocks_by_hash(
+        self, block_hashes: Sequence[int], window_size: int | None = None
+    ) -> list[int]:
+        """Undo `pin_blocks_by_hash` for the same hashes."""
+        return self._window(window_size).unpin_blocks_by_hash(block_hashes)
 
     def find_block_by_hash(self, block_hash: int, window_size: int | None = None) -> Any:
         """The block of the reuse tree with this chained hash, or None."""

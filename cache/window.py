@@ -819,6 +819,8 @@ class WindowBlockManager:
     def offload_reusable_blocks(self, max_blocks: int | None = None) -> int:
         """Move cached primary blocks that nobody holds to empty secondary slots, in eviction
         order (each reported Updated, primary -> secondary); returns how many moved."""
+        if max_blocks is not None and max_blocks < 0:
+            raise ValueError(f"max_blocks must be >= 0, got {max_blocks}")
         if not self.onboard_blocks or self.num_secondary_blocks == 0:
             return 0
         policy = self.policy
@@ -851,18 +853,40 @@ class WindowBlockManager:
         self.transfer.flush()
         return count
 
-    def pin_blocks_by_hash(self, block_hashes: Sequence[int]) -> list[int]:
-        """Pin cached blocks by hash (all or none); returns their ids, for unpinning."""
+    def _chains_by_hash(self, block_hashes: Sequence[int]) -> list[KVCacheBlock]:
+        """The named blocks with their ancestors, each once, parents before children (all
+        must be in the tree)."""
         by_hash = self.blocks_by_hash()
         missing = [h for h in block_hashes if h not in by_hash]
         if missing:
             raise UnknownBlockError(
                 f"no block with hash {missing[0]} in the reuse tree (window {self.window_size})"
             )
-        blocks = [by_hash[h] for h in block_hashes]
+        blocks: dict[int, KVCacheBlock] = {}  # a block shared by several chains counts once
+        for block_hash in block_hashes:
+            chain: list[KVCacheBlock] = []
+            node: KVCacheBlock | None = by_hash[block_hash]
+            while node is not None and node is not self.root:
+                chain.append(node)
+                node = node.prev_block
+            for block in reversed(chain):
+                blocks.setdefault(block.block_id, block)
+        return list(blocks.values())
+
+    def pin_blocks_by_hash(self, block_hashes: Sequence[int]) -> list[int]:
+        """Pin cached blocks by hash, each with its ancestors (a prefix is reusable only whole,
+        and evicting an ancestor would drop the pinned block from the tree); a block named or
+        shared several times is pinned once per call; all or none. Returns the ids pinned."""
+        blocks = self._chains_by_hash(block_hashes)
         for block in blocks:
             self._pin(block)
         return [block.block_id for block in blocks]
+
+    def unpin_blocks_by_hash(self, block_hashes: Sequence[int]) -> list[int]:
+        """Undo `pin_blocks_by_hash` for the same hashes (all or none)."""
+        ids = [block.block_id for block in self._chains_by_hash(block_hashes)]
+        self.unpin_blocks_by_id(ids)
+        return ids
 
     def reset_reuse_state(self) -> None:
         """Forget the reuse tree. Each forgotten block is reported Removed, so that consumers of

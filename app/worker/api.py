@@ -514,7 +514,7 @@ def _admin_router(settings: WorkerSettings) -> APIRouter:
         "/blocks/pin",
         response_model=schemas.PinResponse,
         dependencies=[admin],
-        summary="Pin cached blocks by hash so they are not evicted",
+        summary="Pin cached blocks (and their ancestors) by hash so they are not evicted",
     )
     async def pin(body: schemas.BlockHashes, runtime: Runtime) -> dict[str, Any]:
         ids = await runtime.engine.call(lambda mgr: mgr.pin_blocks_by_hash(body.block_hashes))
@@ -524,19 +524,11 @@ def _admin_router(settings: WorkerSettings) -> APIRouter:
         "/blocks/unpin",
         response_model=schemas.PinResponse,
         dependencies=[admin],
-        summary="Undo one pin of each block (by hash)",
+        summary="Undo a pin made with the same hashes",
     )
     async def unpin(body: schemas.BlockHashes, runtime: Runtime) -> dict[str, Any]:
-        def run(mgr: KVCacheManager) -> list[int]:
-            found = [mgr.find_block_by_hash(h) for h in body.block_hashes]
-            for block_hash, block in zip(body.block_hashes, found, strict=True):
-                if block is None:
-                    raise UnknownBlockError(f"no block with hash {block_hash} in the reuse tree")
-            ids = [block.block_id for block in found]
-            mgr.unpin_blocks_by_id(ids)
-            return ids
-
-        return {"block_ids": await runtime.engine.call(run)}
+        ids = await runtime.engine.call(lambda mgr: mgr.unpin_blocks_by_hash(body.block_hashes))
+        return {"block_ids": ids}
 
     @router.post(
         "/requests/{request_id}/cancel",

@@ -157,6 +157,7 @@ class EngineConfig:
     max_seq_len: int = 8_192
     scheduler: Literal["guaranteed_no_evict", "max_utilization"] = "guaranteed_no_evict"
     events_ring_size: int = 4_096
+    worker_id: str = "worker"  # for the logs
 
 
 @dataclass(slots=True)
@@ -534,7 +535,8 @@ class Engine:
     def _preempt(self, job: Job) -> None:
         """Free a running job's blocks and queue it again (recomputed later, mostly cached)."""
         logger.info(
-            "preempting %s (%d prompt + %d generated tokens): out of blocks",
+            "worker %s: preempting %s (%d prompt + %d generated tokens): out of blocks",
+            self.config.worker_id,
             job.job_id,
             len(job.prompt),
             len(job.output),
@@ -556,13 +558,20 @@ class Engine:
     def _fail_step(self, batch: StepBatch) -> None:
         """A step raised: log it, fail the jobs it touched, keep the loop alive."""
         self.stats.errors += 1
-        logger.exception("engine step failed; failing the requests of this step")
+        logger.exception(
+            "worker %s: engine step failed; failing the requests of this step",
+            self.config.worker_id,
+        )
         ids = {c.request_id for c in batch.prefills} | {d.request_id for d in batch.decodes}
         for job in [job for job in self.running if job.request_id in ids]:
             try:
                 self._release(job, store=False)
             except Exception:
-                logger.exception("could not release the blocks of %s", job.job_id)
+                logger.exception(
+                    "worker %s: could not release the blocks of %s",
+                    self.config.worker_id,
+                    job.job_id,
+                )
                 if job in self.running:
                     self.running.remove(job)
             job.error = "internal error in the engine step"

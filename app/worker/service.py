@@ -127,6 +127,7 @@ class WorkerRuntime:
             max_seq_len=shape.max_seq_len,
             scheduler=settings.scheduler,
             events_ring_size=settings.events_ring_size,
+            worker_id=settings.worker_id,
         )
         metrics = WorkerMetrics()
         clock = VirtualClock() if settings.virtual_clock else time.monotonic
