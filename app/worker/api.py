@@ -22,10 +22,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hashlib
 import secrets
 import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
@@ -34,10 +32,10 @@ from fastapi import APIRouter, Depends, FastAPI, Header, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from app.middleware import BodyLimit, error_body
 from app.worker import schemas
-from app.worker.backend import prompt_seed
+from app.worker.completions import BadRequest, completion_body, make_job
 from app.worker.engine import DrainingError, DuplicateJobError, EngineError, Job, QueueFullError
 from app.worker.metrics import CONTENT_TYPE
 from app.worker.service import WorkerRuntime
@@ -46,21 +44,12 @@ from cache import (
     InvalidRetentionConfigError,
     KVCacheBlock,
     KVCacheManager,
-    RetentionConfig,
-    TokenRangeRetention,
     UnknownBlockError,
     UnknownRequestError,
 )
 from events.snapshot import manager_snapshot
 
-__all__ = ["BadRequest", "NotFound", "install"]
-
-
-class BadRequest(Exception):
-    def __init__(self, param: str | None, message: str) -> None:
-        super().__init__(message)
-        self.param = param
-        self.message = message
+__all__ = ["NotFound", "install"]
 
 
 class NotFound(Exception):
@@ -75,8 +64,9 @@ class OrjsonResponse(JSONResponse):
 def _error(
     status: int, message: str, kind: str, param: str | None = None, **headers: str
 ) -> Response:
-    body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
-    return OrjsonResponse(body, status_code=status, headers=headers or None)
+    return OrjsonResponse(
+        error_body(message, kind, param), status_code=status, headers=headers or None
+    )
 
 
 def _runtime(request: Request) -> WorkerRuntime:
@@ -100,124 +90,6 @@ def _admin(settings: WorkerSettings) -> Any:
             raise HTTPException(403, "wrong admin token")
 
     return Depends(require_admin)
-
-
-# -- request validation ------------------------------------------------------------------------
-
-
-def _retention(spec: schemas.Retention) -> RetentionConfig:
-    try:
-        return RetentionConfig(
-            ranges=[
-                TokenRangeRetention(r.start, r.end, r.priority, r.duration_s) for r in spec.ranges
-            ],
-            decode_priority=spec.decode_priority,
-            decode_duration_s=spec.decode_duration_s,
-        )
-    except InvalidRetentionConfigError as exc:
-        raise BadRequest("retention", f"retention: {exc}") from None
-
-
-def _salt_id(salt: str) -> int:
-    return int.from_bytes(hashlib.blake2b(salt.encode(), digest_size=8).digest(), "little")
-
-
-def make_job(runtime: WorkerRuntime, body: schemas.CompletionRequest) -> Job:
-    """Check a completion request against the model and the cache; a Job or BadRequest."""
-    prompt = body.prompt
-    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], str)):
-        raise BadRequest(
-            "prompt", "prompt: a worker takes token ids; send text prompts to the router"
-        )
-    if prompt and isinstance(prompt[0], list):
-        raise BadRequest("prompt", "prompt: one prompt per request (a list of token ids)")
-    tokens: list[int] = prompt  # type: ignore[assignment]
-    if not tokens:
-        raise BadRequest("prompt", "prompt: must hold at least one token id")
-    shape = runtime.settings.shape
-    low, high = min(tokens), max(tokens)
-    if low < 0 or high >= shape.vocab_size:
-        bad = low if low < 0 else high
-        raise BadRequest(
-            "prompt",
-            f"prompt: token id {bad} at index {tokens.index(bad)} is outside the vocabulary "
-            f"0..{shape.vocab_size - 1}",
-        )
-    total = len(tokens) + body.max_tokens
-    if total > shape.max_seq_len:
-        raise BadRequest(
-            "max_tokens",
-            f"max_tokens: {len(tokens)} prompt tokens + {body.max_tokens} max_tokens = {total} "
-            f"exceeds the model's window of {shape.max_seq_len} tokens",
-        )
-    tpb = shape.tokens_per_block
-    need = -(-total // tpb)
-    capacity = runtime.mgr.get_max_num_blocks()
-    if need > capacity:
-        raise BadRequest(
-            "max_tokens",
-            f"max_tokens: the request needs {need} KV cache blocks, the worker has {capacity}",
-        )
-    retention = _retention(body.retention) if body.retention is not None else None
-    return Job(
-        job_id=body.request_id or f"cmpl-{uuid.uuid4().hex}",
-        prompt=tokens,
-        max_tokens=body.max_tokens,
-        seed=prompt_seed(tokens),
-        priority=body.priority,
-        lora_task_id=body.lora_task_id,
-        cache_salt=body.cache_salt,
-        cache_salt_id=_salt_id(body.cache_salt) if body.cache_salt is not None else None,
-        retention=retention,
-    )
-
-
-# -- responses ---------------------------------------------------------------------------------
-
-
-def _ms(start: float | None, end: float | None) -> float | None:
-    return None if start is None or end is None else round((end - start) * 1e3, 3)
-
-
-def _usage(job: Job) -> dict[str, Any]:
-    prompt_tokens = len(job.prompt)
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": len(job.output),
-        "total_tokens": prompt_tokens + len(job.output),
-        "prompt_tokens_details": {"cached_tokens": job.cached_tokens},
-    }
-
-
-def _timings(runtime: WorkerRuntime, job: Job) -> dict[str, Any]:
-    return {
-        "worker_id": runtime.settings.worker_id,
-        "request_id": job.job_id,
-        "queue_ms": _ms(job.arrival_s, job.admitted_s),
-        "ttft_ms": _ms(job.arrival_s, job.first_token_s),
-        "e2e_ms": _ms(job.arrival_s, job.finished_s),
-        "preemptions": job.num_preemptions,
-    }
-
-
-def completion_body(runtime: WorkerRuntime, job: Job, created: int) -> dict[str, Any]:
-    return {
-        "id": job.job_id,
-        "object": "text_completion",
-        "created": created,
-        "model": runtime.settings.model,
-        "choices": [
-            {
-                "index": 0,
-                "text": "",
-                "token_ids": job.output,
-                "logprobs": None,
-                "finish_reason": job.finish_reason,
-            }
-        ],
-        "usage": _usage(job),
-        "kvmesh": _timings(runtime, job),
-    }
 
 
 def _sse(data: Any) -> bytes:
@@ -246,7 +118,7 @@ async def _stream(runtime: WorkerRuntime, job: Job, created: int) -> AsyncIterat
                     }
                 )
             if job.finished:
-                final = completion_body(runtime, job, created)
+                final = completion_body(job, runtime.settings.worker_id, model, created)
                 final["choices"][0]["token_ids"] = []
                 yield _sse(final)
                 yield b"data: [DONE]\n\n"
@@ -286,7 +158,8 @@ def _inference_router() -> APIRouter:
     async def create_completion(
         body: schemas.CompletionRequest, request: Request, runtime: Runtime
     ) -> Response:
-        job = make_job(runtime, body)
+        settings = runtime.settings
+        job = make_job(body, settings.shape, runtime.mgr.get_max_num_blocks())
         runtime.engine.submit(job)
         created = int(time.time())
         if body.stream:
@@ -306,7 +179,7 @@ def _inference_router() -> APIRouter:
             return _error(
                 503, job.error or "the engine failed", "engine_error", None, **{"Retry-After": "1"}
             )
-        return OrjsonResponse(completion_body(runtime, job, created))
+        return OrjsonResponse(completion_body(job, settings.worker_id, settings.model, created))
 
     return router
 
@@ -376,7 +249,7 @@ def _admin_router(settings: WorkerSettings) -> APIRouter:
         kv = await runtime.engine.call(lambda mgr: mgr.get_kv_cache_stats())
         engine = runtime.engine
         counters = engine.stats
-        prompt_total = counters.reused_tokens + counters.prefill_tokens
+        prompt_total = counters.reused_tokens + counters.computed_tokens
         return {
             "worker_id": runtime.settings.worker_id,
             "uptime_s": round(time.time() - runtime.started_at, 3),
@@ -403,7 +276,8 @@ def _admin_router(settings: WorkerSettings) -> APIRouter:
                 "preemptions": counters.preemptions,
                 "errors": counters.errors,
                 "reused_prompt_tokens": counters.reused_tokens,
-                "computed_prompt_tokens": counters.prefill_tokens,
+                "computed_prompt_tokens": counters.computed_tokens,
+                "prefill_tokens": counters.prefill_tokens,
                 "generated_tokens": counters.generated_tokens,
                 "waiting": engine.num_waiting,
                 "running": len(engine.running),
@@ -587,81 +461,18 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> Response:
-        kinds = {401: "authentication_error", 403: "permission_error", 404: "not_found_error"}
+        kinds = {
+            401: "authentication_error",
+            403: "permission_error",
+            404: "not_found_error",
+            413: "invalid_request_error",
+        }
         headers = dict(exc.headers or {})
         if exc.status_code == 401:
             headers.setdefault("WWW-Authenticate", "Bearer")
         return _error(
             exc.status_code, str(exc.detail), kinds.get(exc.status_code, "error"), None, **headers
         )
-
-
-class BodyLimit:
-    """413 for a body over ``max_bytes``: by Content-Length up front, else while it streams."""
-
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        for name, value in scope["headers"]:
-            if name == b"content-length":
-                if not value.isdigit() or int(value) > self.max_bytes:
-                    await self._reject(send)
-                    return
-                break
-        received = 0
-        started = False
-
-        async def limited_receive() -> Message:
-            nonlocal received
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.max_bytes:
-                    raise _TooLarge
-            return message
-
-        async def tracking_send(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
-        try:
-            await self.app(scope, limited_receive, tracking_send)
-        except _TooLarge:
-            if not started:
-                await self._reject(send)
-
-    async def _reject(self, send: Send) -> None:
-        body = orjson.dumps(
-            {
-                "error": {
-                    "message": f"request body is larger than {self.max_bytes} bytes",
-                    "type": "invalid_request_error",
-                    "param": None,
-                    "code": None,
-                }
-            }
-        )
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 413,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode()),
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": body})
-
-
-class _TooLarge(Exception):
-    pass
 
 
 def install(app: FastAPI, settings: WorkerSettings) -> None:

@@ -74,6 +74,10 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+def _ignore(*args: object) -> None:
+    """The default of the engine's callbacks."""
+
+
 class EngineError(Exception):
     """Base of the engine's refusals (mapped to HTTP statuses in ``app.worker.api``)."""
 
@@ -129,7 +133,8 @@ class Job:
     request: LlmRequest | None = None
     position: int = 0  # next prompt position to compute (prefill)
     output: list[int] = field(default_factory=list)
-    cached_tokens: int = 0  # prompt tokens reused at the admission that completed the prefill
+    cached_tokens: int = 0  # prompt tokens reused (at the first prefill, preemptions aside)
+    admitted_reused: int = 0  # tokens reused at the latest admission
     num_preemptions: int = 0
     finish_reason: Literal["length", "cancelled", "aborted", "error"] | None = None
     error: str | None = None
@@ -163,8 +168,9 @@ class EngineConfig:
 @dataclass(slots=True)
 class EngineStats:
     steps: int = 0
-    prefill_tokens: int = 0  # prompt tokens computed
-    reused_tokens: int = 0  # prompt tokens whose KV cache was reused
+    prefill_tokens: int = 0  # tokens prefilled, recomputation after preemption included
+    reused_tokens: int = 0  # prompt tokens whose KV cache was reused (once per request)
+    computed_tokens: int = 0  # prompt tokens that had to be computed (once per request)
     generated_tokens: int = 0
     submitted: int = 0
     finished: int = 0
@@ -195,12 +201,13 @@ class Engine:
         self.clock = clock
         self.virtual = isinstance(clock, VirtualClock)
         self.publisher = publisher
-        self.on_step = on_step
-        self.on_first_token = on_first_token
+        self.on_step = on_step or _ignore
+        self.on_first_token = on_first_token or _ignore
         self.tokens_per_block = mgr.tokens_per_block
         self.jobs: dict[str, Job] = {}  # live jobs (waiting or running) by id
         self.running: list[Job] = []  # admission order
-        self._waiting: list[tuple[int, int, Job]] = []  # heap of (priority, arrival seq, job)
+        # heap of (priority, 0 if preempted else 1, arrival seq, job)
+        self._waiting: list[tuple[int, int, int, Job]] = []
         self._num_waiting = 0
         self._seq = itertools.count()
         self._request_ids = itertools.count(1)
@@ -259,53 +266,86 @@ class Engine:
     # -- the loop ------------------------------------------------------------------------------
 
     async def run(self) -> None:
-        """The engine task: iterate while there is work, sleep on the wake-up event otherwise."""
-        while not self._stopped:
-            if not (self._calls or self._cancels or self.running or self._num_waiting):
+        """The engine task: iterate while there is work, sleep on the wake-up event otherwise.
+
+        If the loop ever ends other than by ``stop`` (a bug), every live job and pending call
+        fails at once instead of waiting for ever."""
+        try:
+            while not self._stopped:
+                # Cleared before the iteration looks at the queues: whatever arrives while it
+                # runs sets it again, so the wait below cannot miss it.
                 self._wakeup.clear()
-                await self._wakeup.wait()
-                continue
-            started = time.perf_counter()
-            batch = StepBatch()
-            output: StepOutput | None = None
+                stepped = False
+                if self._calls or self._cancels or self.running or self._num_waiting:
+                    stepped = await self._iterate()
+                if not stepped:
+                    # Nothing could run: wait for a submission, a call, a cancellation.
+                    await self._wakeup.wait()
+                else:
+                    # Let handlers run between steps even when a step takes no modelled time.
+                    await asyncio.sleep(0)
+        finally:
+            self._shut_down()
+
+    async def _iterate(self) -> bool:
+        """One iteration (see the module docstring); True if a step ran."""
+        started = time.perf_counter()
+        batch = StepBatch()
+        output: StepOutput | None = None
+        try:
+            self._run_calls()
+            self._process_cancels()
+            self._schedule(batch)
+            if batch:
+                output = self.backend.execute(batch)
+        except Exception:
+            self._fail_step(batch)
+            output = None
+        model_time = output.model_time_s if output is not None else 0.0
+        if self.virtual:
+            assert isinstance(self.clock, VirtualClock)
+            self.clock.advance(model_time)
+        else:
+            remaining = model_time - (time.perf_counter() - started)
+            if remaining > 0:
+                await asyncio.sleep(remaining)
+        try:
+            if output is not None:
+                self._apply(batch, output)
+        except Exception:
+            self._fail_step(batch)
+        finally:
+            # Whatever happened, the events of this iteration leave the manager now.
             try:
-                self._run_calls()
-                self._process_cancels()
-                batch = self._schedule()
-                if batch:
-                    output = self.backend.execute(batch)
-            except Exception:
-                self._fail_step(batch)
-            model_time = output.model_time_s if output is not None else 0.0
-            if self.virtual:
-                assert isinstance(self.clock, VirtualClock)
-                self.clock.advance(model_time)
-            else:
-                remaining = model_time - (time.perf_counter() - started)
-                if remaining > 0:
-                    await asyncio.sleep(remaining)
-            try:
-                if output is not None:
-                    self._apply(batch, output)
                 self.mgr.refresh_blocks()
                 self._publish()
             except Exception:
-                self._fail_step(batch)
-            if batch:
-                self.stats.steps += 1
-                if self.on_step is not None:
-                    self.on_step(time.perf_counter() - started, batch)
-            # Let handlers run between steps even when a step takes no modelled time.
-            await asyncio.sleep(0)
+                self.stats.errors += 1
+                logger.exception("worker %s: publishing the events failed", self.config.worker_id)
+        if not batch:
+            return False
+        self.stats.steps += 1
+        try:
+            self.on_step(time.perf_counter() - started, batch)
+        except Exception:
+            logger.exception("worker %s: the step callback failed", self.config.worker_id)
+        return True
 
-    def stop(self) -> None:
-        """End the loop after the current iteration; pending calls fail."""
+    def _shut_down(self) -> None:
+        """The loop has ended: fail what still waits on it."""
         self._stopped = True
-        self._wakeup.set()
         while self._calls:
             _, future = self._calls.popleft()
             if not future.done():
                 future.set_exception(DrainingError("the engine has stopped"))
+        for job in list(self.jobs.values()):
+            job.error = "the engine stopped"
+            self._finish(job, "aborted")
+
+    def stop(self) -> None:
+        """End the loop after the current iteration; what is still pending then fails."""
+        self._stopped = True
+        self._wakeup.set()
 
     async def drain(self, timeout_s: float) -> int:
         """Admit nothing new, give live jobs ``timeout_s`` to finish, abort the rest.
@@ -330,14 +370,17 @@ class Engine:
 
     # -- queue ---------------------------------------------------------------------------------
 
-    def _enqueue(self, job: Job, seq: int | None = None) -> None:
+    def _enqueue(self, job: Job, *, preempted: bool = False) -> None:
+        """Queue by (priority, preempted first, arrival): the key is unique, jobs are never
+        compared."""
         job.state = JobState.WAITING
-        heapq.heappush(self._waiting, (job.priority, next(self._seq) if seq is None else seq, job))
+        key = (job.priority, 0 if preempted else 1, next(self._seq))
+        heapq.heappush(self._waiting, (*key, job))
         self._num_waiting += 1
 
     def _peek_waiting(self) -> Job | None:
         while self._waiting:
-            job = self._waiting[0][2]
+            job = self._waiting[0][-1]
             if job.state is JobState.WAITING:
                 return job
             heapq.heappop(self._waiting)  # cancelled while waiting
@@ -368,9 +411,9 @@ class Engine:
             self._finish(job, reason)
             self.stats.cancelled += 1
 
-    def _schedule(self) -> StepBatch:
+    def _schedule(self, batch: StepBatch) -> None:
+        """Fill ``batch`` (built by the caller, so a failure half way knows what it touched)."""
         mgr = self.mgr
-        batch = StepBatch()
         budget = self.config.max_tokens_per_step
         if self.config.scheduler == "max_utilization":
             free = self._make_room_for_decodes()
@@ -392,53 +435,73 @@ class Engine:
                     continue
                 batch.decodes.append(Decode(job.request_id, request.tokens, job.seed))
                 budget -= 1
-        # Admission: FIFO within a priority, no overtaking.
-        while len(self.running) < self.config.max_batch_size and budget > 0:
+        # Prefill chunks of the running requests, in admission order.
+        for job in self.running:
+            if job.state is JobState.PREFILL and budget > 0:
+                budget -= self._add_chunk(batch, job, budget)
+        # Admission: FIFO within a priority, no overtaking, only with a chunk to run now (the
+        # micro-batch: blocks are not allocated to requests that would only wait in them).
+        tpb = self.tokens_per_block
+        while len(self.running) < self.config.max_batch_size:
             head = self._peek_waiting()
             if head is None:
                 break
             # Built once while it waits: a request hashes its prompt on first use.
             request = head.request or self._new_request(head)
             head.request = request
+            if budget < tpb and budget < request.prompt_len:
+                break
             if self.config.scheduler == "max_utilization":
                 need = mgr.get_needed_blocks_one_step(request)
             else:
                 need = mgr.get_remaining_blocks_to_completion(request)
-            if need > free:
-                break
             try:
+                if need > free:
+                    raise OutOfBlocksError(f"needs {need} blocks, {max(free, 0)} can be had")
                 reused = mgr.add_sequence(request)
-            except OutOfBlocksError:
+            except OutOfBlocksError as exc:
+                if not self.running:  # nothing will free blocks: waiting would be for ever
+                    self._refuse(head, str(exc))
+                    continue
                 break
             free -= need
             heapq.heappop(self._waiting)
             self._num_waiting -= 1
             head.state = JobState.PREFILL
             head.position = reused
-            head.cached_tokens = reused
+            head.admitted_reused = reused
             if head.admitted_s is None:
                 head.admitted_s = self.clock()
             self.running.append(head)
-        # Prefill chunks in admission order, within the token budget.
-        tpb = self.tokens_per_block
-        for job in self.running:
-            if job.state is not JobState.PREFILL or budget <= 0:
-                continue
-            request = job.request
-            assert request is not None
-            remaining = request.prompt_len - job.position
-            chunk = min(remaining, budget)
-            if chunk < remaining:
-                chunk -= chunk % tpb
-                if chunk == 0:
-                    continue
-            batch.prefills.append(
-                PrefillChunk(
-                    job.request_id, request.tokens, job.position, job.position + chunk, job.seed
-                )
+            budget -= self._add_chunk(batch, head, budget)
+
+    def _add_chunk(self, batch: StepBatch, job: Job, budget: int) -> int:
+        """Plan the job's next prompt chunk within ``budget``; returns the tokens it takes.
+        A chunk is a multiple of the block size unless it completes the prompt."""
+        request = job.request
+        assert request is not None
+        remaining = request.prompt_len - job.position
+        chunk = min(remaining, budget)
+        if chunk < remaining:
+            chunk -= chunk % self.tokens_per_block
+            if chunk == 0:
+                return 0
+        batch.prefills.append(
+            PrefillChunk(
+                job.request_id, request.tokens, job.position, job.position + chunk, job.seed
             )
-            budget -= chunk
-        return batch
+        )
+        return chunk
+
+    def _refuse(self, job: Job, reason: str) -> None:
+        """A waiting job that cannot fit in an idle cache (pinned blocks): 503, not a hang."""
+        heapq.heappop(self._waiting)
+        self._num_waiting -= 1
+        job.request = None
+        job.error = f"no room in the KV cache for this request: {reason}"
+        logger.warning("worker %s: refusing %s: %s", self.config.worker_id, job.job_id, job.error)
+        self._finish(job, "error")
+        self.stats.failed += 1
 
     def _make_room_for_decodes(self) -> int:
         """max_utilization: preempt the newest running jobs until every decode fits; returns
@@ -495,7 +558,10 @@ class Engine:
                 mgr.store_context_blocks(request)
                 request.state = RequestState.GENERATION_IN_PROGRESS
                 job.state = JobState.DECODE
-                self.stats.reused_tokens += job.cached_tokens
+                if not job.output:  # the prompt's first prefill (not a recompute)
+                    job.cached_tokens = min(job.admitted_reused, len(job.prompt))
+                    self.stats.reused_tokens += job.cached_tokens
+                    self.stats.computed_tokens += len(job.prompt) - job.cached_tokens
                 self._emit(job, request, tokens[chunk.request_id], now)
         for decode in batch.decodes:
             job = jobs.get(decode.request_id)
@@ -512,8 +578,7 @@ class Engine:
         self.stats.generated_tokens += 1
         if job.first_token_s is None:
             job.first_token_s = now
-            if self.on_first_token is not None:
-                self.on_first_token(job)
+            self.on_first_token(job)
         if len(job.output) >= job.max_tokens:
             self._release(job, store=True)
             self._finish(job, "length")
@@ -544,7 +609,7 @@ class Engine:
         self._release(job, store=job.state is JobState.DECODE)
         job.num_preemptions += 1
         self.stats.preemptions += 1
-        self._enqueue(job, seq=-job.num_preemptions)  # ahead of every new arrival
+        self._enqueue(job, preempted=True)  # ahead of every new arrival of its priority
 
     def _finish(self, job: Job, reason: Literal["length", "cancelled", "aborted", "error"]) -> None:
         job.state = JobState.FINISHED

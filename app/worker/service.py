@@ -211,6 +211,8 @@ class WorkerRuntime:
         """Stop admitting, let in-flight requests finish (or abort them), flush the events."""
         settings = self.settings
         self.engine.draining = True
+        # Routers read it with the next heartbeat and stop sending new requests here.
+        self.publisher.update_registry(draining=True)
         logger.info(
             "worker %s: draining %d request(s) (at most %.1f s)",
             settings.worker_id,

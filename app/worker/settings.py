@@ -156,6 +156,11 @@ class WorkerSettings(Settings):
                 )
             if not self.allocate_pools:
                 raise ValueError("allocate_pools: the torch back-end needs the KV pools")
+        if self.max_tokens_per_step < shape.tokens_per_block:
+            raise ValueError(
+                f"max_tokens_per_step: {self.max_tokens_per_step} is less than a block "
+                f"({shape.tokens_per_block} tokens); prompt chunks are whole blocks"
+            )
         blocks = self.blocks_per_level()
         if blocks[0] <= 0:
             raise ValueError("gpu_memory_gib: the budget holds no block")

@@ -77,6 +77,11 @@ def test_unwritten_services_say_so_and_exit_1(
             "--gpu-memory-gib (KVMESH_GPU_MEMORY_GIB): give it or num_gpu_blocks, not both",
         ),
         (
+            ["worker", "--worker-id", "w0", "--max-tokens-per-step", "8"],
+            "--max-tokens-per-step (KVMESH_MAX_TOKENS_PER_STEP): 8 is less than a block "
+            "(16 tokens); prompt chunks are whole blocks",
+        ),
+        (
             ["worker", "--worker-id", "w0", "--model", "llama-3-8b"],
             "--num-gpu-blocks (KVMESH_NUM_GPU_BLOCKS): give it or gpu_memory_gib for model "
             "llama-3-8b",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -254,6 +255,27 @@ async def test_malformed_json_and_oversized_bodies(clean_redis_url: str) -> None
     assert broken.json()["error"]["type"] == "invalid_request_error"
     assert big.status_code == 413
     assert big.json()["error"]["message"] == "request body is larger than 1000 bytes"
+
+
+async def test_a_chunked_body_over_the_limit_is_413(clean_redis_url: str) -> None:
+    async def chunks() -> AsyncIterator[bytes]:
+        yield b'{"prompt": ['
+        for _ in range(300):
+            yield b"1, "
+        yield b"1]}"
+
+    async with worker_client(worker_settings(clean_redis_url, max_body_bytes=500)) as (client, _):
+        response = await client.post(
+            "/v1/completions", content=chunks(), headers={"content-type": "application/json"}
+        )
+    assert "content-length" not in response.request.headers
+    assert response.status_code == 413
+    assert response.json()["error"] == {
+        "message": "request body is larger than 500 bytes",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": None,
+    }
 
 
 async def test_unknown_sequence_and_block_are_404(clean_redis_url: str) -> None:

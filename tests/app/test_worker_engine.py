@@ -58,9 +58,10 @@ async def test_a_thousand_concurrent_completions_on_a_small_pool(
             else:
                 assert response.headers["retry-after"] == "1"
         stats = runtime.engine.stats
-        assert (stats.submitted, stats.finished, stats.cancelled, stats.failed) == (
+        assert (stats.submitted, stats.finished, stats.cancelled, stats.failed, stats.errors) == (
             statuses[200],
             statuses[200],
+            0,
             0,
             0,
         )
@@ -109,6 +110,10 @@ async def test_max_utilization_preempts_the_newest_and_recomputes_it(clean_redis
         assert runtime.engine.stats.preemptions == 1
         assert runtime.mgr.get_num_free_blocks() == 8
     assert (a["kvmesh"]["preemptions"], b["kvmesh"]["preemptions"]) == (0, 1)
+    # B's recompute hit the blocks it stored when preempted, but its prompt shared nothing.
+    assert b["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert runtime.engine.stats.prefill_tokens > 64  # the recompute
+    assert runtime.engine.stats.computed_tokens == 64
 
 
 async def test_guaranteed_no_evict_makes_the_second_wait(clean_redis_url: str) -> None:
@@ -119,6 +124,50 @@ async def test_guaranteed_no_evict_makes_the_second_wait(clean_redis_url: str) -
     assert (a["kvmesh"]["preemptions"], b["kvmesh"]["preemptions"]) == (0, 0)
     # B was admitted only when A finished.
     assert b["kvmesh"]["queue_ms"] >= a["kvmesh"]["e2e_ms"] - a["kvmesh"]["queue_ms"] - 1.0
+
+
+async def test_preempted_jobs_of_one_priority_queue_in_order(clean_redis_url: str) -> None:
+    """Three long requests on 3 blocks: two get preempted at once and wait side by side."""
+    settings = worker_settings(
+        clean_redis_url,
+        scheduler="max_utilization",
+        num_gpu_blocks=3,
+        tokens_per_block=4,
+        max_tokens_per_step=64,
+        sim_step_overhead_ms=1.0,
+    )
+    async with worker_client(settings) as (client, runtime):
+        prompts = [[i, i, i] for i in range(3)]
+        bodies = [{"prompt": prompt, "max_tokens": 8} for prompt in prompts]
+        responses = await asyncio.gather(
+            *(client.post("/v1/completions", json=body) for body in bodies)
+        )
+        stats = runtime.engine.stats
+        assert (stats.finished, stats.errors, stats.preemptions > 0) == (3, 0, True)
+        assert runtime.mgr.get_num_free_blocks() == 3
+    for prompt, response in zip(prompts, responses, strict=True):
+        assert response.json()["choices"][0]["token_ids"] == expected_output(prompt, 8)
+
+
+async def test_a_request_that_cannot_fit_beside_pins_is_refused_not_left_waiting(
+    clean_redis_url: str,
+) -> None:
+    settings = worker_settings(clean_redis_url, num_gpu_blocks=4)
+    async with worker_client(settings) as (client, runtime):
+        await complete(client, prompt=list(range(20)), max_tokens=1)
+        first_block = (await client.get("/blocks")).json()["blocks"][0]["hash"]
+        pin = await client.post("/blocks/pin", json={"block_hashes": [first_block]}, headers=AUTH)
+        assert pin.json() == {"block_ids": [0]}
+        refused = await client.post("/v1/completions", json={"prompt": [7] * 60, "max_tokens": 4})
+        small = await complete(client, prompt=[7, 8], max_tokens=2)
+        assert runtime.engine.jobs == {}
+        assert runtime.engine.stats.failed == 1
+    assert refused.status_code == 503
+    assert refused.headers["retry-after"] == "1"
+    assert refused.json()["error"]["message"] == (
+        "no room in the KV cache for this request: needs 4 blocks, 3 can be had"
+    )
+    assert small["usage"]["completion_tokens"] == 2
 
 
 async def test_priority_orders_the_queue(clean_redis_url: str) -> None:

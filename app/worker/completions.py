@@ -1,0 +1,144 @@
+"""Completion requests: checked against the model and the cache, turned into engine jobs; and
+finished jobs turned into OpenAI completions. Plain functions, no HTTP.
+
+Errors::
+
+    Exception
+     └── BadRequest      the request cannot be served as it is (``param`` names the field)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import uuid
+from typing import Any
+
+from app.worker import schemas
+from app.worker.backend import prompt_seed
+from app.worker.engine import Job
+from app.worker.settings import ModelShape
+from cache import InvalidRetentionConfigError, RetentionConfig, TokenRangeRetention
+
+__all__ = ["BadRequest", "completion_body", "make_job", "usage"]
+
+
+class BadRequest(Exception):
+    def __init__(self, param: str | None, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+        self.message = message
+
+
+def _retention(spec: schemas.Retention) -> RetentionConfig:
+    try:
+        return RetentionConfig(
+            ranges=[
+                TokenRangeRetention(r.start, r.end, r.priority, r.duration_s) for r in spec.ranges
+            ],
+            decode_priority=spec.decode_priority,
+            decode_duration_s=spec.decode_duration_s,
+        )
+    except InvalidRetentionConfigError as exc:
+        raise BadRequest("retention", f"retention: {exc}") from None
+
+
+def _salt_id(salt: str) -> int:
+    return int.from_bytes(hashlib.blake2b(salt.encode(), digest_size=8).digest(), "little")
+
+
+def make_job(body: schemas.CompletionRequest, shape: ModelShape, capacity_blocks: int) -> Job:
+    """Check a completion request against the model and the cache size; a Job or BadRequest."""
+    prompt = body.prompt
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], str)):
+        raise BadRequest(
+            "prompt", "prompt: a worker takes token ids; send text prompts to the router"
+        )
+    if prompt and isinstance(prompt[0], list):
+        raise BadRequest("prompt", "prompt: one prompt per request (a list of token ids)")
+    tokens: list[int] = prompt  # type: ignore[assignment]
+    if not tokens:
+        raise BadRequest("prompt", "prompt: must hold at least one token id")
+    low, high = min(tokens), max(tokens)
+    if low < 0 or high >= shape.vocab_size:
+        bad = low if low < 0 else high
+        raise BadRequest(
+            "prompt",
+            f"prompt: token id {bad} at index {tokens.index(bad)} is outside the vocabulary "
+            f"0..{shape.vocab_size - 1}",
+        )
+    total = len(tokens) + body.max_tokens
+    if total > shape.max_seq_len:
+        raise BadRequest(
+            "max_tokens",
+            f"max_tokens: {len(tokens)} prompt tokens + {body.max_tokens} max_tokens = {total} "
+            f"exceeds the model's window of {shape.max_seq_len} tokens",
+        )
+    tpb = shape.tokens_per_block
+    need = -(-total // tpb)
+    if need > capacity_blocks:
+        raise BadRequest(
+            "max_tokens",
+            f"max_tokens: the request needs {need} KV cache blocks, the worker has "
+            f"{capacity_blocks}",
+        )
+    retention = _retention(body.retention) if body.retention is not None else None
+    return Job(
+        job_id=body.request_id or f"cmpl-{uuid.uuid4().hex}",
+        prompt=tokens,
+        max_tokens=body.max_tokens,
+        seed=prompt_seed(tokens),
+        priority=body.priority,
+        lora_task_id=body.lora_task_id,
+        cache_salt=body.cache_salt,
+        cache_salt_id=_salt_id(body.cache_salt) if body.cache_salt is not None else None,
+        retention=retention,
+    )
+
+
+# -- responses ---------------------------------------------------------------------------------
+
+
+def _ms(start: float | None, end: float | None) -> float | None:
+    return None if start is None or end is None else round((end - start) * 1e3, 3)
+
+
+def usage(job: Job) -> dict[str, Any]:
+    prompt_tokens = len(job.prompt)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": len(job.output),
+        "total_tokens": prompt_tokens + len(job.output),
+        "prompt_tokens_details": {"cached_tokens": job.cached_tokens},
+    }
+
+
+def _timings(worker_id: str, job: Job) -> dict[str, Any]:
+    return {
+        "worker_id": worker_id,
+        "request_id": job.job_id,
+        "queue_ms": _ms(job.arrival_s, job.admitted_s),
+        "ttft_ms": _ms(job.arrival_s, job.first_token_s),
+        "e2e_ms": _ms(job.arrival_s, job.finished_s),
+        "preemptions": job.num_preemptions,
+    }
+
+
+def completion_body(job: Job, worker_id: str, model: str, created: int) -> dict[str, Any]:
+    """The OpenAI completion of a finished job, with kvmesh's timings."""
+    return {
+        "id": job.job_id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "text": "",
+                "token_ids": job.output,
+                "logprobs": None,
+                "finish_reason": job.finish_reason,
+            }
+        ],
+        "usage": usage(job),
+        "kvmesh": _timings(worker_id, job),
+    }
