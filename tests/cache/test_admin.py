@@ -20,6 +20,7 @@ from cache import KVCacheManager, UnknownBlockError
 from cache.eviction import PRIMARY_LEVEL
 from cache.window import WindowBlockManager
 from tests.cache.factories import drain, ids, make_manager, req
+from tests.cache.test_events import level_update
 
 W = 32
 H_0_3 = 733356887393045
@@ -60,16 +61,7 @@ def removed(event_id: int, *hashes: int) -> dict[str, Any]:
 
 
 def moved(event_id: int, h: int, old: int, new: int) -> dict[str, Any]:
-    return {
-        "event_id": event_id,
-        "data": {
-            "type": "updated",
-            "block_hash": h,
-            "cache_level": {"type": "event_diff", "new_value": new, "old_value": old},
-            "priority": None,
-        },
-        "window_size": W,
-    }
+    return level_update(event_id, h, old, new, window_size=W)
 
 
 def found(mgr: KVCacheManager, *hashes: int) -> list[int | None]:

@@ -27,7 +27,9 @@ def stored_block(h: int, tokens: list[int], priority: int = 35, level: int = 0) 
     }
 
 
-def level_update(event_id: int, h: int, old: int, new: int) -> dict[str, Any]:
+def level_update(
+    event_id: int, h: int, old: int, new: int, window_size: int = 16
+) -> dict[str, Any]:
     return {
         "event_id": event_id,
         "data": {
@@ -36,7 +38,7 @@ def level_update(event_id: int, h: int, old: int, new: int) -> dict[str, Any]:
             "cache_level": {"type": "event_diff", "new_value": new, "old_value": old},
             "priority": None,
         },
-        "window_size": 16,
+        "window_size": window_size,
     }
 
 
