@@ -9,6 +9,7 @@ from cache.errors import (
     InvalidRetentionConfigError,
     KVCacheError,
     OutOfBlocksError,
+    PinConflictError,
     UnknownBlockError,
     UnknownRequestError,
 )
@@ -61,6 +62,7 @@ __all__ = [
     "LlmRequest",
     "MultimodalItem",
     "OutOfBlocksError",
+    "PinConflictError",
     "RemovedData",
     "RequestState",
     "RetentionConfig",

@@ -5,6 +5,7 @@ KVCacheError
 ├── DuplicateRequestError       add_sequence with a request id already live
 ├── UnknownRequestError         an operation names a request id that is not live (also KeyError)
 ├── UnknownBlockError           a block id outside the pool (also ValueError)
+├── PinConflictError            an unpin that would leave a pinned block's ancestor unpinned
 └── InvalidRetentionConfigError a retention config the seed would reject (also ValueError)
 """
 
@@ -32,6 +33,10 @@ class UnknownRequestError(KVCacheError, KeyError):
 
 class UnknownBlockError(KVCacheError, ValueError):
     """A block id outside the pool."""
+
+
+class PinConflictError(KVCacheError, ValueError):
+    """An unpin that would leave a pinned block with an unpinned ancestor; nothing changed."""
 
 
 class InvalidRetentionConfigError(KVCacheError, ValueError):

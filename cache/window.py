@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from cache.block import _EMPTY_KEY, ROOT_BLOCK_ID, KVCacheBlock
-from cache.errors import OutOfBlocksError, UnknownBlockError
+from cache.errors import OutOfBlocksError, PinConflictError, UnknownBlockError
 from cache.events import EventDiff, KVCacheEventManager, UpdatedData
 from cache.eviction import PRIMARY_LEVEL, SECONDARY_LEVEL, LRUEvictionPolicy
 from cache.hashing import BlockKey, block_key_hash
@@ -883,8 +883,29 @@ class WindowBlockManager:
         return [block.block_id for block in blocks]
 
     def unpin_blocks_by_hash(self, block_hashes: Sequence[int]) -> list[int]:
-        """Undo `pin_blocks_by_hash` for the same hashes (all or none)."""
-        ids = [block.block_id for block in self._chains_by_hash(block_hashes)]
+        """Undo `pin_blocks_by_hash` for the same hashes (all or none).
+
+        Invariant kept: a pinned block's parent holds at least as many pins as it does, so an
+        evicted ancestor can never drop a pinned block from the tree. An unpin that would break
+        it (other hashes than the pin used: an ancestor alone, one of two siblings) raises
+        PinConflictError and changes nothing."""
+        blocks = self._chains_by_hash(block_hashes)
+        chosen = {block.block_id for block in blocks}
+        pins = self.pins
+
+        def after(block: KVCacheBlock) -> int:
+            return pins.get(block.block_id, 0) - (block.block_id in chosen)
+
+        for block in blocks:
+            if after(block) < 0:
+                raise UnknownBlockError(f"block {block.block_id} (hash {block.hash}) is not pinned")
+            for child in block.next_blocks.values():
+                if after(child) > after(block):
+                    raise PinConflictError(
+                        f"unpinning block {block.hash} would leave its pinned child {child.hash} "
+                        "with an unpinned ancestor; unpin with the hashes the pin used"
+                    )
+        ids = [block.block_id for block in blocks]
         self.unpin_blocks_by_id(ids)
         return ids
 

@@ -9,7 +9,7 @@ the exception handlers below, as OpenAI's error shape ``{"error": {"message", "t
     missing bearer token                                               401
     admin calls disabled, or a wrong token                             403
     NotFound, UnknownBlockError, UnknownRequestError                   404
-    DuplicateJobError                                                  409
+    DuplicateJobError, PinConflictError                                409
     body over max_body_bytes                                           413
     QueueFullError                                                     429 + Retry-After
     DrainingError                                                      503 + Retry-After
@@ -44,6 +44,7 @@ from cache import (
     InvalidRetentionConfigError,
     KVCacheBlock,
     KVCacheManager,
+    PinConflictError,
     UnknownBlockError,
     UnknownRequestError,
 )
@@ -166,7 +167,7 @@ def _inference_router() -> APIRouter:
             return StreamingResponse(
                 _stream(runtime, job, created),
                 media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Request-Id": job.job_id},
+                headers={"Cache-Control": "no-cache"},
             )
         disconnect = asyncio.ensure_future(_wait_for_disconnect(request))
         try:
@@ -449,6 +450,10 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def not_found(request: Request, exc: Exception) -> Response:
         return _error(404, str(exc), "not_found_error")
 
+    @app.exception_handler(PinConflictError)
+    async def pin_conflict(request: Request, exc: PinConflictError) -> Response:
+        return _error(409, str(exc), "conflict_error", "block_hashes")
+
     @app.exception_handler(EngineError)
     async def engine_refused(request: Request, exc: EngineError) -> Response:
         if isinstance(exc, QueueFullError):
@@ -470,9 +475,10 @@ def _install_error_handlers(app: FastAPI) -> None:
         headers = dict(exc.headers or {})
         if exc.status_code == 401:
             headers.setdefault("WWW-Authenticate", "Bearer")
-        return _error(
-            exc.status_code, str(exc.detail), kinds.get(exc.status_code, "error"), None, **headers
+        kind = kinds.get(
+            exc.status_code, "invalid_request_error" if exc.status_code < 500 else "error"
         )
+        return _error(exc.status_code, str(exc.detail), kind, None, **headers)
 
 
 def install(app: FastAPI, settings: WorkerSettings) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from cache import KVCacheManager, UnknownBlockError
+from cache import KVCacheManager, PinConflictError, UnknownBlockError
 from cache.eviction import PRIMARY_LEVEL
 from cache.window import WindowBlockManager
 from tests.cache.factories import drain, ids, make_manager, req
@@ -376,4 +376,30 @@ def test_offload_with_a_negative_max_blocks_changes_nothing() -> None:
         mgr.offload_reusable_blocks(max_blocks=-1)
     assert [wm.blocks[i].is_primary for i in (0, 1, 2, 4)] == [True] * 4
     assert drain(mgr) == []
+    assert mgr.verify_queue_integrity()
+
+
+@pytest.mark.parametrize(
+    ("pinned", "unpinned", "ancestor", "child"),
+    [
+        ([H_8_11], [H_4_7], H_4_7, H_8_11),  # an ancestor alone
+        ([H_8_11, H_9999], [H_9999], H_0_3, H_4_7),  # one of two siblings (their root too)
+    ],
+)
+def test_unpin_that_would_strand_a_pinned_block_is_refused(
+    pinned: list[int], unpinned: list[int], ancestor: int, child: int
+) -> None:
+    mgr, wm = build()
+    mgr.pin_blocks_by_hash(pinned)
+    pins = dict(wm.pins)
+    free = mgr.get_num_free_blocks()
+    with pytest.raises(
+        PinConflictError,
+        match=f"unpinning block {ancestor} would leave its pinned child {child} with an "
+        "unpinned ancestor",
+    ):
+        mgr.unpin_blocks_by_hash(unpinned)
+    assert (wm.pins, mgr.get_num_free_blocks()) == (pins, free)
+    assert mgr.unpin_blocks_by_hash(pinned) == sorted(pins)
+    assert (wm.pins, mgr.get_num_free_blocks()) == ({}, 8)
     assert mgr.verify_queue_integrity()
