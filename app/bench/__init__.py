@@ -24,6 +24,7 @@ BENCHMARKS: dict[str, str] = {
     "manager": "app.bench.manager:run",
     "transfer": "app.bench.transfer:run",
     "redis": "app.bench.redis_rtt:run",
+    "worker": "app.bench.worker:run",
 }
 
 

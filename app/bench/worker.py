@@ -1,0 +1,537 @@
+"""``kvmesh bench worker``: one worker process over HTTP against its bare ``KVCacheManager``.
+
+The workload is ``kvmesh bench manager``'s (``make_prompts``, seed 3): 2,000 prompts of 4,096
+tokens whose first 2,048 are one of 10 shared prefixes, the rest random; each asks for 16 tokens.
+
+Service part: ``kvmesh worker`` runs as a subprocess with the sim back-end at zero model time
+(all three ``--sim-*`` timings 0), so what is measured is kvmesh's own overhead: HTTP, request
+validation, the engine loop, the manager, publishing the KV events to Redis (``$REDIS_URL``, else
+a private ``redis-server`` for the run). Tiny model shape with a 32,000-token vocabulary, 32,768
+GPU blocks of 16 tokens (64 live sequences of 4,112 tokens take 16,448; the rest is cache), no
+KV pools, ``--max-batch-size 64``, ``--max-queue-len 256``, ``--max-tokens-per-step 16384`` (the
+64 decodes plus seven uncached prompt halves of 2,048 tokens per step). 64 asyncio clients
+(``httpx.AsyncClient``, a pool of 64 keep-alive connections, uvloop) post the requests, each
+taking the next prompt when its previous answer is in; bodies are serialised with orjson
+beforehand, so the client's JSON encoding is not charged. Every answer must be a 200 with 16
+tokens and finish reason ``length``; failures are counted (``failed``), never retried.
+
+Before the clock starts (not timed): ``/ready``, then warm-up requests: one per shared prefix,
+one after the other, then one burst of 64 at once (opens the connections); their suffixes are
+fresh, so the 10 prefixes are cached when the timed part starts and every timed request reuses
+exactly its 2,048-token prefix (``hit_rate`` 0.5, a few tokens more where a random suffix block
+happens to match a cached one partially).
+
+Timed: from the first request sent to the last answer read, on the client's clock. Reported:
+``requests_per_s``; ``ttft_p50_ms``/``ttft_p99_ms`` from the server's ``kvmesh.ttft_ms``
+(arrival in the engine to the first token); ``latency_p50_ms``/``latency_p99_ms`` on the
+client (request sent to answer parsed); ``hit_rate`` = reused / (reused + computed) prompt
+tokens, from the deltas of ``/stats`` ``engine.reused_prompt_tokens`` and
+``engine.computed_prompt_tokens`` over the timed part; CPU seconds of the worker, the client and
+the embedded Redis over the timed part (from ``/proc``, Linux).
+
+Manager part (``manager_only_requests_per_s``), in the same run, before the worker starts: the
+same prompts straight into a ``KVCacheManager`` built by the worker's own ``build_manager`` from
+the same settings (events on), after the same warm-up prompts (which also compile the hasher).
+64 requests are live at once and advance in lock-step as in the engine: a request is admitted
+with ``add_sequence``, its prompt completed (``store_context_blocks``) and its first token
+appended (``add_new_token`` + ``store_new_block``); then 15 steps of ``add_token``,
+``add_new_token``, ``store_new_block``; then ``remove_sequence`` with store-for-reuse. The events
+are drained with ``take_events()`` after every manager call that makes any, and the manager's
+``refresh_blocks`` runs once per step, as the engine does. Timed: all of it, building each
+``LlmRequest`` included; the token lists are hidden from the garbage collector (``gc.freeze``)
+as in ``kvmesh bench manager``.
+
+``service_efficiency`` = ``requests_per_s`` / ``manager_only_requests_per_s``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import gc
+import logging
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import httpx
+import numpy as np
+import orjson
+import uvloop
+
+from app.bench.manager import PREFIX_TOKENS, SEED, TOKENS_PER_REQUEST, VOCAB_SIZE, make_prompts
+from app.redis_server import EmbeddedRedis
+from app.settings import Settings
+from cache import KVCacheManager, LlmRequest, RequestState
+
+NUM_REQUESTS = 2_000
+NUM_REQUESTS_QUICK = 100
+CONCURRENCY = 64
+CONCURRENCY_QUICK = 16
+MAX_TOKENS = 16
+HOST = "127.0.0.1"
+READY_TIMEOUT_S = 60.0
+REQUEST_TIMEOUT_S = 120.0
+STOP_TIMEOUT_S = 15.0
+
+# The worker's settings (each one a `kvmesh worker` flag); the manager part builds its
+# KVCacheManager from the same values with the worker's own `build_manager`.
+WORKER_OPTIONS: dict[str, Any] = {
+    "engine": "sim",
+    "model": "tiny",
+    "vocab_size": VOCAB_SIZE,
+    "num_gpu_blocks": 32_768,
+    "num_host_blocks": 0,
+    "allocate_pools": False,
+    "max_batch_size": CONCURRENCY,
+    "max_tokens_per_step": 16_384,
+    "max_queue_len": 256,
+    "sim_step_overhead_ms": 0.0,
+    "sim_prefill_us_per_token": 0.0,
+    "sim_decode_us_per_sequence": 0.0,
+    "drain_timeout_s": 5.0,
+}
+
+
+def worker_flags(options: dict[str, Any]) -> list[str]:
+    """``{"num_gpu_blocks": 8}`` -> ``["--num-gpu-blocks", "8"]``; booleans as ``--[no-]x``."""
+    flags: list[str] = []
+    for name, value in options.items():
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(flag if value else "--no-" + flag[2:])
+        else:
+            flags += [flag, str(value)]
+    return flags
+
+
+def warmup_prompts(prompts: list[list[int]], count: int, seed: int = SEED + 1) -> list[list[int]]:
+    """One prompt per distinct prefix of ``prompts``, then ``count`` more cycling over them;
+    every suffix fresh (another seed), so no timed request can reuse a warm-up's suffix."""
+    prefixes = list({tuple(p[:PREFIX_TOKENS]): None for p in prompts})
+    total = len(prefixes) + count
+    rng = np.random.default_rng(seed)
+    suffixes: list[list[int]] = rng.integers(
+        0, VOCAB_SIZE, size=(total, TOKENS_PER_REQUEST - PREFIX_TOKENS)
+    ).tolist()
+    return [list(prefixes[i % len(prefixes)]) + suffixes[i] for i in range(total)]
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _cpu_seconds(pid: int | None) -> float | None:
+    """User + system CPU time of a process (Linux ``/proc``); None where unavailable."""
+    if pid is None:
+        return None
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _machine_busy_seconds() -> float | None:
+    """CPU time all processes have used since boot, all cores together (Linux ``/proc/stat``)."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    except OSError:
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(f) for f in fields[:8])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def _delta(after: float | None, before: float | None) -> float | None:
+    return None if after is None or before is None else round(after - before, 3)
+
+
+# -- the manager part ----------------------------------------------------------------------------
+
+
+def make_manager() -> KVCacheManager:
+    """A manager exactly as the benchmarked worker builds its own."""
+    from app.worker.service import build_manager
+    from app.worker.settings import WorkerSettings
+
+    return build_manager(WorkerSettings(worker_id="bench-manager-only", **WORKER_OPTIONS))
+
+
+def _token(rid: int, index: int) -> int:
+    return (rid * 7_919 + index * 104_729) % VOCAB_SIZE
+
+
+def replay(
+    mgr: KVCacheManager, prompts: list[list[int]], first_rid: int, live_max: int
+) -> dict[str, int]:
+    """The prompts through ``mgr`` as the engine drives it (see the module docstring)."""
+    live: deque[tuple[int, LlmRequest]] = deque()
+    queue = iter(enumerate(prompts, start=first_rid))
+    events = reused = computed = 0
+    exhausted = False
+    while live or not exhausted:
+        # One step: decodes first (one token each), then admissions, as in the engine.
+        for _ in range(len(live)):
+            rid, request = live.popleft()
+            mgr.add_token(rid)
+            request.add_new_token(_token(rid, len(request.tokens) - request.prompt_len))
+            mgr.store_new_block(request)
+            events += len(mgr.take_events())
+            if len(request.tokens) - request.prompt_len >= MAX_TOKENS:
+                mgr.remove_sequence(rid, request)
+                events += len(mgr.take_events())
+            else:
+                live.append((rid, request))
+        while len(live) < live_max and not exhausted:
+            item = next(queue, None)
+            if item is None:
+                exhausted = True
+                break
+            rid, tokens = item
+            request = LlmRequest(rid, tokens, max_new_tokens=MAX_TOKENS)
+            cached = mgr.add_sequence(request)
+            reused += cached
+            computed += request.prompt_len - cached
+            request.context_current_position = request.prompt_len
+            request.is_first_context_chunk = False
+            mgr.store_context_blocks(request)
+            request.state = RequestState.GENERATION_IN_PROGRESS
+            request.add_new_token(_token(rid, 0))
+            mgr.store_new_block(request)
+            events += len(mgr.take_events())
+            live.append((rid, request))
+        mgr.refresh_blocks()
+    return {"events": events, "reused": reused, "computed": computed}
+
+
+def measure_manager(
+    prompts: list[list[int]], warmup: list[list[int]], live_max: int
+) -> dict[str, Any]:
+    mgr = make_manager()
+    mgr.take_events()  # `created` belongs to construction
+    replay(mgr, warmup, 1, live_max)  # also compiles the hasher (numba), not timed
+    gc.collect()
+    gc.freeze()
+    try:
+        start = time.perf_counter()
+        counters = replay(mgr, prompts, 1 + len(warmup), live_max)
+        seconds = time.perf_counter() - start
+    finally:
+        gc.unfreeze()
+    if mgr.num_dropped_events:
+        raise RuntimeError(f"the manager dropped {mgr.num_dropped_events} events")
+    prompt_tokens = counters["reused"] + counters["computed"]
+    return {
+        "manager_only_requests_per_s": round(len(prompts) / seconds, 1),
+        "manager_only_us_per_request": round(seconds / len(prompts) * 1e6, 1),
+        "manager_only_hit_rate": round(counters["reused"] / prompt_tokens, 6),
+        "manager_only_events": counters["events"],
+    }
+
+
+# -- the service part ----------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Outcome:
+    """What the clients saw during the timed part."""
+
+    seconds: float = 0.0
+    ok: int = 0
+    failed: int = 0
+    errors: list[str] = field(default_factory=list)
+    ttft_ms: list[float] = field(default_factory=list)
+    queue_ms: list[float] = field(default_factory=list)
+    e2e_ms: list[float] = field(default_factory=list)
+    latency_ms: list[float] = field(default_factory=list)
+    cached_tokens: int = 0
+    prompt_tokens: int = 0
+    client_cpu_s: float = 0.0
+    worker_cpu_s: float | None = None
+    redis_cpu_s: float | None = None
+    machine_cpu_s: float | None = None
+    load_average: float = 0.0  # 1-minute load average when the timed part starts
+    stats_before: dict[str, Any] = field(default_factory=dict)
+    stats_after: dict[str, Any] = field(default_factory=dict)
+
+
+def _other_cpu(outcome: Outcome) -> float | None:
+    """CPU time the rest of the machine used during the timed part (noise on a shared host)."""
+    if outcome.machine_cpu_s is None or outcome.worker_cpu_s is None:
+        return None
+    ours = outcome.worker_cpu_s + outcome.client_cpu_s + (outcome.redis_cpu_s or 0.0)
+    return round(max(outcome.machine_cpu_s - ours, 0.0), 3)
+
+
+def _check(response: httpx.Response) -> dict[str, Any]:
+    """The body of a good answer; ValueError with the reason otherwise."""
+    if response.status_code != 200:
+        raise ValueError(f"status {response.status_code}: {response.text[:200]}")
+    body: dict[str, Any] = orjson.loads(response.content)
+    choice = body["choices"][0]
+    if len(choice["token_ids"]) != MAX_TOKENS or choice["finish_reason"] != "length":
+        raise ValueError(
+            f"{len(choice['token_ids'])} tokens, finish_reason {choice['finish_reason']!r}"
+        )
+    return body
+
+
+async def _post(client: httpx.AsyncClient, body: bytes) -> httpx.Response:
+    return await client.post(
+        "/v1/completions", content=body, headers={"Content-Type": "application/json"}
+    )
+
+
+async def _drive(
+    base_url: str,
+    bodies: list[bytes],
+    warmup: list[bytes],
+    num_sequential: int,
+    concurrency: int,
+    worker_pid: int,
+    redis_pid: int | None,
+) -> Outcome:
+    # One AsyncClient per concurrent client, each with one keep-alive connection: 64 connections
+    # in all, as from one pool of 64, but httpcore's pool walks all its connections for every
+    # request it assigns, which at 64 cost the client more CPU than the worker spends.
+    limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
+    timeout = httpx.Timeout(REQUEST_TIMEOUT_S)
+    outcome = Outcome()
+    async with contextlib.AsyncExitStack() as stack:
+        clients = [
+            await stack.enter_async_context(
+                httpx.AsyncClient(base_url=base_url, limits=limits, timeout=timeout)
+            )
+            for _ in range(concurrency)
+        ]
+        # Warm-up: the prefixes one after the other, then one request from every client at
+        # once, which opens the connections.
+        for body in warmup[:num_sequential]:
+            _check(await _post(clients[0], body))
+        burst = warmup[num_sequential:]
+        answers = await asyncio.gather(
+            *(_post(clients[i % concurrency], body) for i, body in enumerate(burst))
+        )
+        for answer in answers:
+            _check(answer)
+        outcome.stats_before = orjson.loads((await clients[0].get("/stats")).content)
+
+        pending = iter(bodies)
+
+        async def one_client(client: httpx.AsyncClient) -> None:
+            for body in pending:  # a shared iterator: each client takes the next body
+                sent = time.perf_counter()
+                try:
+                    answer = _check(await _post(client, body))
+                except (httpx.HTTPError, ValueError, KeyError, IndexError) as exc:
+                    outcome.failed += 1
+                    if len(outcome.errors) < 5:
+                        outcome.errors.append(f"{type(exc).__name__}: {exc}")
+                    continue
+                outcome.latency_ms.append((time.perf_counter() - sent) * 1e3)
+                timings = answer["kvmesh"]
+                outcome.ttft_ms.append(timings["ttft_ms"])
+                outcome.queue_ms.append(timings["queue_ms"])
+                outcome.e2e_ms.append(timings["e2e_ms"])
+                usage = answer["usage"]
+                outcome.cached_tokens += usage["prompt_tokens_details"]["cached_tokens"]
+                outcome.prompt_tokens += usage["prompt_tokens"]
+                outcome.ok += 1
+
+        outcome.load_average = os.getloadavg()[0]
+        worker_cpu = _cpu_seconds(worker_pid)
+        redis_cpu = _cpu_seconds(redis_pid)
+        machine_cpu = _machine_busy_seconds()
+        client_cpu = time.process_time()
+        start = time.perf_counter()
+        await asyncio.gather(*(one_client(client) for client in clients))
+        outcome.seconds = time.perf_counter() - start
+        outcome.client_cpu_s = time.process_time() - client_cpu
+        outcome.worker_cpu_s = _delta(_cpu_seconds(worker_pid), worker_cpu)
+        outcome.redis_cpu_s = _delta(_cpu_seconds(redis_pid), redis_cpu)
+        outcome.machine_cpu_s = _delta(_machine_busy_seconds(), machine_cpu)
+        outcome.stats_after = orjson.loads((await clients[0].get("/stats")).content)
+    return outcome
+
+
+@contextlib.contextmanager
+def _worker(redis_url: str, port: int, log: IO[bytes]) -> Iterator[subprocess.Popen[bytes]]:
+    """``kvmesh worker`` with the benchmark's settings; SIGTERM (then SIGKILL) at the end."""
+    options = {
+        **WORKER_OPTIONS,
+        "worker_id": f"bench-{secrets.token_hex(3)}",
+        "host": HOST,
+        "port": port,
+        "redis_url": redis_url,
+    }
+    script = Path(sys.executable).parent / "kvmesh"
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "app"]
+    env = {**os.environ, "KVMESH_LOG_LEVEL": "WARNING"}
+    proc = subprocess.Popen(
+        [*command, "worker", *worker_flags(options)], stdout=log, stderr=subprocess.STDOUT, env=env
+    )
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _wait_ready(base_url: str, proc: subprocess.Popen[bytes], log: IO[bytes]) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            log.seek(0)
+            tail = log.read()[-4_000:].decode(errors="replace")
+            raise RuntimeError(f"the worker exited with {proc.returncode}:\n{tail}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{base_url}/ready", timeout=1.0).status_code == 200:
+                return
+        time.sleep(0.1)
+    raise RuntimeError(f"the worker at {base_url} was not ready within {READY_TIMEOUT_S} s")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind((HOST, 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def measure_service(
+    redis_url: str,
+    redis_pid: int | None,
+    prompts: list[list[int]],
+    warmup: list[list[int]],
+    num_sequential: int,
+    concurrency: int,
+) -> dict[str, Any]:
+    bodies = [orjson.dumps({"prompt": p, "max_tokens": MAX_TOKENS}) for p in prompts]
+    warmup_bodies = [orjson.dumps({"prompt": p, "max_tokens": MAX_TOKENS}) for p in warmup]
+    port = _free_port()
+    base_url = f"http://{HOST}:{port}"
+    httpx_logger = logging.getLogger("httpx")
+    httpx_level = httpx_logger.level
+    httpx_logger.setLevel(logging.WARNING)  # not a log line per request
+    gc.collect()
+    gc.freeze()  # the token lists are input: the client's collector need not walk them
+    try:
+        with tempfile.TemporaryFile() as log, _worker(redis_url, port, log) as proc:
+            _wait_ready(base_url, proc, log)
+            with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+                outcome = runner.run(
+                    _drive(
+                        base_url,
+                        bodies,
+                        warmup_bodies,
+                        num_sequential,
+                        concurrency,
+                        proc.pid,
+                        redis_pid,
+                    )
+                )
+    finally:
+        gc.unfreeze()
+        httpx_logger.setLevel(httpx_level)
+    before, after = outcome.stats_before["engine"], outcome.stats_after["engine"]
+    reused = after["reused_prompt_tokens"] - before["reused_prompt_tokens"]
+    computed = after["computed_prompt_tokens"] - before["computed_prompt_tokens"]
+    events_before, events_after = outcome.stats_before["events"], outcome.stats_after["events"]
+    if outcome.failed:
+        print(
+            f"kvmesh bench worker: {outcome.failed} request(s) failed, e.g. {outcome.errors[0]}",
+            file=sys.stderr,
+        )
+    seconds = outcome.seconds
+    ok = outcome.ok
+    result: dict[str, Any] = {
+        "requests": len(prompts),
+        "ok": ok,
+        "failed": outcome.failed,
+        "errors": outcome.errors,
+        "concurrency": concurrency,
+        "seconds": round(seconds, 3),
+        "requests_per_s": round(ok / seconds, 1),
+        "hit_rate": round(reused / (reused + computed), 6) if reused + computed else 0.0,
+        "reused_prompt_tokens": reused,
+        "computed_prompt_tokens": computed,
+        "engine_steps": after["steps"] - before["steps"],
+        "events_published": events_after["events"] - events_before["events"],
+        "events_dropped": events_after["dropped"] - events_before["dropped"],
+        "stream_entries": events_after["entries"] - events_before["entries"],
+        "preemptions": after["preemptions"] - before["preemptions"],
+        "client_cpu_s": round(outcome.client_cpu_s, 3),
+        "worker_cpu_s": outcome.worker_cpu_s,
+        "redis_cpu_s": outcome.redis_cpu_s,
+        "other_cpu_s": _other_cpu(outcome),
+        "worker_cpu_us_per_request": (
+            round(outcome.worker_cpu_s / ok * 1e6, 1) if outcome.worker_cpu_s and ok else None
+        ),
+        "warmup_requests": len(warmup),
+        "load_average": round(outcome.load_average, 2),
+    }
+    if ok:
+        result.update(
+            {
+                "response_hit_rate": round(outcome.cached_tokens / outcome.prompt_tokens, 6),
+                "ttft_p50_ms": round(_percentile(outcome.ttft_ms, 0.5), 3),
+                "ttft_p99_ms": round(_percentile(outcome.ttft_ms, 0.99), 3),
+                "queue_p50_ms": round(_percentile(outcome.queue_ms, 0.5), 3),
+                "e2e_p50_ms": round(_percentile(outcome.e2e_ms, 0.5), 3),
+                "e2e_p99_ms": round(_percentile(outcome.e2e_ms, 0.99), 3),
+                "latency_p50_ms": round(_percentile(outcome.latency_ms, 0.5), 3),
+                "latency_p99_ms": round(_percentile(outcome.latency_ms, 0.99), 3),
+            }
+        )
+    return result
+
+
+def measure(
+    redis_url: str, redis_pid: int | None, *, num_requests: int, concurrency: int
+) -> dict[str, Any]:
+    prompts = make_prompts(num_requests)
+    warmup = warmup_prompts(prompts, concurrency)
+    num_sequential = len(warmup) - concurrency
+    manager = measure_manager(prompts, warmup, concurrency)
+    service = measure_service(redis_url, redis_pid, prompts, warmup, num_sequential, concurrency)
+    efficiency = service["requests_per_s"] / manager["manager_only_requests_per_s"]
+    return {
+        **service,
+        **manager,
+        "service_efficiency": round(efficiency, 3),
+        "max_tokens": MAX_TOKENS,
+        "max_tokens_per_step": WORKER_OPTIONS["max_tokens_per_step"],
+        "num_gpu_blocks": WORKER_OPTIONS["num_gpu_blocks"],
+        "embedded_redis": redis_pid is not None,
+    }
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    quick = bool(getattr(args, "quick", False))
+    sizes = {
+        "num_requests": NUM_REQUESTS_QUICK if quick else NUM_REQUESTS,
+        "concurrency": CONCURRENCY_QUICK if quick else CONCURRENCY,
+    }
+    url = Settings().redis_url
+    if url is not None:
+        return measure(url, None, **sizes)
+    with EmbeddedRedis() as server:
+        return measure(server.url, server.pid, **sizes)
