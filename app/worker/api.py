@@ -24,13 +24,14 @@ import asyncio
 import dataclasses
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Annotated, Any
 
 import orjson
 from fastapi import APIRouter, Depends, FastAPI, Header, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 
 from app.middleware import BodyLimit, error_body
@@ -60,6 +61,27 @@ class NotFound(Exception):
 class OrjsonResponse(JSONResponse):
     def render(self, content: Any) -> bytes:
         return orjson.dumps(content)
+
+
+class _OrjsonRequest(Request):
+    async def json(self) -> Any:
+        if not hasattr(self, "_json"):
+            self._json = orjson.loads(await self.body())
+        return self._json
+
+
+class OrjsonRoute(APIRoute):
+    """A route that parses its JSON body with orjson: the standard library's decoder was an
+    eighth of the worker's time on 4,096-token prompts. orjson's decode error subclasses
+    ``json.JSONDecodeError``, so a malformed body is still the framework's 400."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def route(request: Request) -> Response:
+            return await handler(_OrjsonRequest(request.scope, request.receive))
+
+        return route
 
 
 def _error(
@@ -148,7 +170,7 @@ ADMIN_ERRORS: dict[int | str, dict[str, Any]] = {
 
 
 def _inference_router() -> APIRouter:
-    router = APIRouter(tags=["inference"])
+    router = APIRouter(tags=["inference"], route_class=OrjsonRoute)
 
     @router.post(
         "/v1/completions",
@@ -218,7 +240,7 @@ def _sequence_info(job: Job, mgr: KVCacheManager) -> dict[str, Any]:
 
 
 def _admin_router(settings: WorkerSettings) -> APIRouter:
-    router = APIRouter(tags=["admin"], responses=ADMIN_ERRORS)
+    router = APIRouter(tags=["admin"], responses=ADMIN_ERRORS, route_class=OrjsonRoute)
     admin = _admin(settings)
 
     @router.get("/health", response_model=schemas.HealthResponse, summary="Liveness")
