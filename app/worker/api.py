@@ -92,7 +92,8 @@ def _error(
     )
 
 
-def _runtime(request: Request) -> WorkerRuntime:
+async def _runtime(request: Request) -> WorkerRuntime:
+    # async: a plain def dependency would run in the thread pool, a thread hop per request.
     runtime: WorkerRuntime = request.app.state.runtime
     return runtime
 
@@ -364,10 +365,8 @@ def _admin_router(settings: WorkerSettings) -> APIRouter:
         since: Annotated[int, Query(ge=-1)] = -1,
         limit: Annotated[int, Query(ge=1, le=10_000)] = 1_000,
     ) -> dict[str, Any]:
-        ring = runtime.engine.recent_events
-        oldest = ring[0].event_id if ring else None
-        latest = ring[-1].event_id if ring else None
-        chosen = [event.to_dict() for event in ring if event.event_id > since][:limit]
+        events, oldest, latest = runtime.engine.events_after(since, limit)
+        chosen = [event.to_dict() for event in events]
         return {
             "events": chosen,
             "oldest_event_id": oldest,

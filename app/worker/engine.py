@@ -53,7 +53,15 @@ from enum import Enum
 from typing import Any, Literal, TypeVar
 
 from app.worker.backend import Backend, Decode, PrefillChunk, StepBatch, StepOutput
-from cache import KVCacheEvent, KVCacheManager, LlmRequest, OutOfBlocksError, RequestState
+from cache import (
+    KVCacheEvent,
+    KVCacheManager,
+    LlmRequest,
+    OutOfBlocksError,
+    RemovedData,
+    RequestState,
+    StoredData,
+)
 from cache.retention import RetentionConfig
 from events.publisher import EventPublisher, manager_load
 
@@ -72,6 +80,15 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+
+def _num_blocks(event: KVCacheEvent) -> int:
+    data = event.data
+    if isinstance(data, StoredData):
+        return len(data.blocks) or 1
+    if isinstance(data, RemovedData):
+        return len(data.block_hashes) or 1
+    return 1
 
 
 def _ignore(*args: object) -> None:
@@ -161,7 +178,7 @@ class EngineConfig:
     max_queue_len: int = 1_024
     max_seq_len: int = 8_192
     scheduler: Literal["guaranteed_no_evict", "max_utilization"] = "guaranteed_no_evict"
-    events_ring_size: int = 4_096
+    events_ring_blocks: int = 4_096
     worker_id: str = "worker"  # for the logs
 
 
@@ -217,7 +234,8 @@ class Engine:
         self._stopped = False
         self.draining = False
         self.stats = EngineStats()
-        self.recent_events: deque[KVCacheEvent] = deque(maxlen=config.events_ring_size)
+        self.recent_events: deque[tuple[KVCacheEvent, int]] = deque()  # (event, its blocks)
+        self._ring_blocks = 0
         self.load: dict[str, int] = {}
         self._dropped_seen = 0  # manager events dropped, as last reported to the publisher
         self._refresh_load()
@@ -367,6 +385,17 @@ class Engine:
             self._wakeup.set()
             await asyncio.gather(*(asyncio.shield(job.done) for job in aborted))
         return len(aborted)
+
+    def events_after(
+        self, since: int, limit: int
+    ) -> tuple[list[KVCacheEvent], int | None, int | None]:
+        """Up to ``limit`` recent events with ids above ``since``, and the oldest and latest
+        ids the ring holds (None when empty)."""
+        ring = self.recent_events
+        if not ring:
+            return [], None, None
+        chosen = [event for event, _ in ring if event.event_id > since][:limit]
+        return chosen, ring[0][0].event_id, ring[-1][0].event_id
 
     # -- queue ---------------------------------------------------------------------------------
 
@@ -648,11 +677,24 @@ class Engine:
         total_dropped = self.mgr.num_dropped_events
         dropped, self._dropped_seen = total_dropped - self._dropped_seen, total_dropped
         if events:
-            self.recent_events.extend(events)
+            self._remember(events)
             self.stats.events += len(events)
         if self.publisher is not None and (events or dropped):
             self.publisher.publish(events, dropped=dropped)
         self._refresh_load()
+
+    def _remember(self, events: list[KVCacheEvent]) -> None:
+        """Keep the latest events for GET /events, up to ``events_ring_blocks`` blocks: a bound
+        in events would let a few thousand stored events hold hundreds of thousands of block
+        objects, which every full pass of the cyclic collector walks."""
+        ring = self.recent_events
+        for event in events:
+            weight = _num_blocks(event)
+            ring.append((event, weight))
+            self._ring_blocks += weight
+        limit = self.config.events_ring_blocks
+        while self._ring_blocks > limit and len(ring) > 1:
+            self._ring_blocks -= ring.popleft()[1]
 
     def _refresh_load(self) -> None:
         load = manager_load(self.mgr, num_waiting=self._num_waiting)

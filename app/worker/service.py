@@ -127,7 +127,7 @@ class WorkerRuntime:
             max_queue_len=settings.max_queue_len,
             max_seq_len=shape.max_seq_len,
             scheduler=settings.scheduler,
-            events_ring_size=settings.events_ring_size,
+            events_ring_blocks=settings.events_ring_blocks,
             worker_id=settings.worker_id,
         )
         metrics = WorkerMetrics()

@@ -125,7 +125,9 @@ class WorkerSettings(Settings):
         10.0, ge=0, description="on SIGTERM, time given to in-flight requests"
     )
     max_body_bytes: int = Field(8 << 20, gt=0, description="largest request body accepted")
-    events_ring_size: int = Field(4_096, gt=0, description="recent events kept for GET /events")
+    events_ring_blocks: int = Field(
+        4_096, gt=0, description="recent events kept for GET /events, counted in blocks"
+    )
     stream_maxlen: int = Field(10_000, gt=0, description="approximate MAXLEN of the event stream")
     heartbeat_ttl_s: float = Field(5.0, gt=0, description="heartbeat key lifetime")
 

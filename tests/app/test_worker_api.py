@@ -531,3 +531,21 @@ async def test_openapi_describes_every_route(clean_redis_url: str) -> None:
     }
     body = spec["paths"]["/v1/completions"]["post"]["requestBody"]["content"]
     assert body["application/json"]["schema"] == {"$ref": "#/components/schemas/CompletionRequest"}
+
+
+async def test_the_events_ring_is_bounded_in_blocks(clean_redis_url: str) -> None:
+    async with worker_client(worker_settings(clean_redis_url, events_ring_blocks=3)) as (
+        client,
+        runtime,
+    ):
+        for base in (0, 100):  # each: 2 full blocks after the prefill, a partial at release
+            await complete(client, prompt=list(range(base, base + 40)), max_tokens=2)
+        page = (await client.get("/events", params={"since": -1})).json()
+        assert runtime.mgr.events is not None
+        last = runtime.mgr.events.next_event_id - 1
+    blocks = [len(e["data"]["blocks"]) for e in page["events"]]
+    # created (0), then stored 2 + 1 for each request: the ring keeps the last 3 blocks.
+    assert [e["event_id"] for e in page["events"]] == [last - 1, last]
+    assert blocks == [2, 1]
+    assert (page["oldest_event_id"], page["latest_event_id"]) == (last - 1, last)
+    assert page["truncated"] is True
