@@ -10,24 +10,30 @@ a private ``redis-server`` for the run). Tiny model shape with a 32,000-token vo
 GPU blocks of 16 tokens (64 live sequences of 4,112 tokens take 16,448; the rest is cache), no
 KV pools, ``--max-batch-size 64``, ``--max-queue-len 256``, ``--max-tokens-per-step 16384`` (the
 64 decodes plus seven uncached prompt halves of 2,048 tokens per step). 64 asyncio clients
-(``httpx.AsyncClient``, a pool of 64 keep-alive connections, uvloop) post the requests, each
-taking the next prompt when its previous answer is in; bodies are serialised with orjson
-beforehand, so the client's JSON encoding is not charged. Every answer must be a 200 with 16
-tokens and finish reason ``length``; failures are counted (``failed``), never retried.
+(uvloop) post the requests, each with its own ``httpx.AsyncClient`` holding one keep-alive
+connection (one shared pool of 64 would cost the client more CPU than the worker spends:
+httpcore walks every connection of a pool to place each request), each taking the next prompt
+when its previous answer is in; bodies are serialised with orjson beforehand, so the client's
+JSON encoding is not charged. Every answer must be a 200 with 16 tokens and finish reason
+``length``; failures are counted (``failed``), never retried. ``--quick``: 100 requests from 16
+clients.
 
 Before the clock starts (not timed): ``/ready``, then warm-up requests: one per shared prefix,
-one after the other, then one burst of 64 at once (opens the connections); their suffixes are
-fresh, so the 10 prefixes are cached when the timed part starts and every timed request reuses
-exactly its 2,048-token prefix (``hit_rate`` 0.5, a few tokens more where a random suffix block
-happens to match a cached one partially).
+one after the other, then one from every client at once (which opens the connections); their
+suffixes are fresh, so the 10 prefixes are cached when the timed part starts and every timed
+request reuses exactly its 2,048-token prefix (``hit_rate`` 0.5, a few tokens more where a
+random suffix block happens to match a cached one partially).
 
 Timed: from the first request sent to the last answer read, on the client's clock. Reported:
 ``requests_per_s``; ``ttft_p50_ms``/``ttft_p99_ms`` from the server's ``kvmesh.ttft_ms``
 (arrival in the engine to the first token); ``latency_p50_ms``/``latency_p99_ms`` on the
 client (request sent to answer parsed); ``hit_rate`` = reused / (reused + computed) prompt
 tokens, from the deltas of ``/stats`` ``engine.reused_prompt_tokens`` and
-``engine.computed_prompt_tokens`` over the timed part; CPU seconds of the worker, the client and
-the embedded Redis over the timed part (from ``/proc``, Linux).
+``engine.computed_prompt_tokens`` over the timed part (``response_hit_rate``: the same from the
+answers' ``cached_tokens``); CPU seconds of the worker, the client and the embedded Redis over
+the timed part, and ``other_cpu_s``, what the rest of the machine used meanwhile (from
+``/proc``, Linux): on a shared 2-core host, a run with ``other_cpu_s`` above a few tenths of a
+second measured the neighbours too.
 
 Manager part (``manager_only_requests_per_s``), in the same run, before the worker starts: the
 same prompts straight into a ``KVCacheManager`` built by the worker's own ``build_manager`` from
@@ -36,10 +42,10 @@ the same settings (events on), after the same warm-up prompts (which also compil
 with ``add_sequence``, its prompt completed (``store_context_blocks``) and its first token
 appended (``add_new_token`` + ``store_new_block``); then 15 steps of ``add_token``,
 ``add_new_token``, ``store_new_block``; then ``remove_sequence`` with store-for-reuse. The events
-are drained with ``take_events()`` after every manager call that makes any, and the manager's
-``refresh_blocks`` runs once per step, as the engine does. Timed: all of it, building each
-``LlmRequest`` included; the token lists are hidden from the garbage collector (``gc.freeze``)
-as in ``kvmesh bench manager``.
+are drained with ``take_events()`` after each admission, each decode and each removal (and
+dropped: no encoding, no Redis), and the manager's ``refresh_blocks`` runs once per step, as the
+engine does. Timed: all of it, building each ``LlmRequest`` included; the token lists are hidden
+from the garbage collector (``gc.freeze``) as in ``kvmesh bench manager``.
 
 ``service_efficiency`` = ``requests_per_s`` / ``manager_only_requests_per_s``.
 """

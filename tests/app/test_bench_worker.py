@@ -36,6 +36,7 @@ KEYS = {
     "seconds",
     "worker_cpu_s",
     "client_cpu_s",
+    "other_cpu_s",
 }
 # A random suffix block can, rarely, share its first tokens with a cached block (partial
 # reuse): allow a few blocks' worth of tokens above the shared prefixes, none below.
