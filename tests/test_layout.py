@@ -1,4 +1,5 @@
-"""The direction of imports (STYLE.md): cache <- events <- app, and nothing imports app.
+"""The direction of imports (STYLE.md): cache <- events <- app, and nothing imports app; and
+the repository stands on its own (no code reads the seed material beside it).
 
 Every .py file of the repository is parsed with ``ast``; a wrong import fails here, not in
 review.
@@ -7,6 +8,7 @@ review.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -110,3 +112,40 @@ def test_the_checker_catches_wrong_imports(relative: str, source: str, expected:
     path = REPO_ROOT / relative
     imports = imported_modules(source, _module_name(path), is_package=False)
     assert violations(path, imports) == [f"{relative}: {problem}" for problem in expected]
+
+
+# A clone of kvmesh has no seed folder beside it: code, tests and build files must not read it
+# (docs may name it as an optional input of a benchmark). Spelled so this file does not match.
+SIBLING = "sha" + "red"
+READS_SIBLING = re.compile(
+    r"\.\./" + SIBLING + r"\b|/\s*[\"']" + SIBLING + r"[\"']|[\"']" + SIBLING + r"[\"']\s*/"
+)
+CODE_SUFFIXES = {".py", ".toml", ".yml", ".yaml", ".cfg", ".sh", ".txt"}
+CODE_NAMES = {"Makefile", "Dockerfile", "run"}
+
+
+def test_nothing_reads_the_seed_folder_beside_the_repository() -> None:
+    offenders = [
+        f"{path.relative_to(REPO_ROOT)}:{number}"
+        for path in sorted(REPO_ROOT.rglob("*"))
+        if path.is_file()
+        and not SKIP_DIRS.intersection(path.relative_to(REPO_ROOT).parts)
+        and (path.suffix in CODE_SUFFIXES or path.name in CODE_NAMES)
+        for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1)
+        if READS_SIBLING.search(line)
+    ]
+    assert offenders == []
+
+
+@pytest.mark.parametrize(
+    ("line", "reads"),
+    [
+        ('Path(__file__).parents[3] / "' + SIBLING + '" / "testdata"', True),
+        ("open('../" + SIBLING + "/data/x.jsonl')", True),
+        ('("first_len", "' + SIBLING + '", "copies")', False),
+        ("the " + SIBLING + " prefix of every request", False),
+        ('Path(__file__).parents[1] / "data" / "block_hash_golden.json"', False),
+    ],
+)
+def test_the_seed_folder_check(line: str, reads: bool) -> None:
+    assert bool(READS_SIBLING.search(line)) is reads

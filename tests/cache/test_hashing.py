@@ -1,4 +1,4 @@
-"""Block hashes, bit for bit against the seed's C++ hasher (testdata/block_hash_golden.json)."""
+"""Block hashes, bit for bit against the seed's C++ hasher (tests/data/block_hash_golden.json)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from cache import (
 )
 from cache.hashing import as_token_array, hash_token_blocks, multimodal_arrays
 
-GOLDEN = Path(__file__).resolve().parents[3] / "shared" / "testdata" / "block_hash_golden.json"
+GOLDEN = Path(__file__).resolve().parents[1] / "data" / "block_hash_golden.json"
 VECTORS: list[dict[str, Any]] = json.loads(GOLDEN.read_text())
 
 
