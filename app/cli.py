@@ -53,14 +53,11 @@ def _add_redis_flag(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_settings_flags(parser: argparse.ArgumentParser, service: str) -> None:
-    """One flag per field of the service's settings model (``--max-batch-size``, ...).
+def _add_settings_flags(parser: argparse.ArgumentParser, model: type[Settings]) -> None:
+    """One flag per field of a service's settings model (``--max-batch-size``, ...).
 
     Defaults are None, so a flag left out falls back to the ``KVMESH_`` variable, then to the
     model's default (shown in the help); pydantic validates what the flags give."""
-    from app.worker.settings import WorkerSettings
-
-    model = WorkerSettings
     shared = {"redis_url", "admin_token", "log_level"}  # --redis-url, the environment, --log-level
     for name, info in model.model_fields.items():
         if name in shared:
@@ -115,7 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     worker = sub.add_parser("worker", help="a worker service owning one GPU's KV cache")
     _add_redis_flag(worker)
-    _add_settings_flags(worker, "worker")
+    from app.worker.settings import WorkerSettings
+
+    _add_settings_flags(worker, WorkerSettings)
     worker.set_defaults(handler=_cmd_worker)
 
     router = sub.add_parser("router", help="the cache-aware router")

@@ -16,7 +16,7 @@ from cache.hashing import BlockKey
 from cache.retention import DEFAULT_PRIORITY
 
 ROOT_BLOCK_ID = -1
-_EMPTY_KEY = BlockKey()
+EMPTY_KEY = BlockKey()  # the key of a block that holds nothing
 
 
 class KVCacheBlock:
@@ -48,7 +48,7 @@ class KVCacheBlock:
         self.is_primary = is_primary
         self.ref_count = 0
         self.scheduling_ref_count = 0
-        self.key: BlockKey = _EMPTY_KEY
+        self.key: BlockKey = EMPTY_KEY
         self.is_full = False
         self.hash = 0
         self.cache_salt: str | None = None
@@ -91,6 +91,12 @@ class KVCacheBlock:
     def set_block_key(self, key: BlockKey, is_full: bool) -> None:
         self.key = key
         self.is_full = is_full
+
+    def forget_key(self) -> None:
+        """Hold nothing any more (a block dropped from the tree on purpose)."""
+        self.key = EMPTY_KEY
+        self.is_full = False
+        self.hash = 0
 
     def swap_memory_pool_block_offset(self, other: KVCacheBlock) -> None:
         self.memory_index, other.memory_index = other.memory_index, self.memory_index

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from cache.block import _EMPTY_KEY, ROOT_BLOCK_ID, KVCacheBlock
+from cache.block import ROOT_BLOCK_ID, KVCacheBlock
 from cache.errors import OutOfBlocksError, PinConflictError, UnknownBlockError
 from cache.events import EventDiff, KVCacheEventManager, UpdatedData
 from cache.eviction import PRIMARY_LEVEL, SECONDARY_LEVEL, LRUEvictionPolicy
@@ -106,16 +106,20 @@ class WindowBlockManager:
 
     # -- getting a block -------------------------------------------------------------------------
 
-    def _free_children(self, block: KVCacheBlock) -> None:
-        """Remove `block` and its whole subtree from the reuse tree, leaves first."""
+    def _free_children(self, block: KVCacheBlock, forget_keys: bool = False) -> int:
+        """Remove `block` and its whole subtree from the reuse tree, leaves first; returns how
+        many blocks left it. With `forget_keys` they also lose their keys (hold nothing)."""
         events = self.events
         if not block.next_blocks:
             if events is not None and block.key.tokens and block.prev_block is not None:
                 events.enqueue_removed(block.hash, self.window_size)
             block.free_leaf_block()
-            return
+            if forget_keys:
+                block.forget_key()
+            return 1
         # Iterative post-order: chains can be thousands of blocks deep.
         stack: list[tuple[KVCacheBlock, bool]] = [(block, False)]
+        count = 0
         while stack:
             node, expanded = stack.pop()
             if not expanded and node.next_blocks:
@@ -125,6 +129,10 @@ class WindowBlockManager:
             if events is not None and node.key.tokens and node.prev_block is not None:
                 events.enqueue_removed(node.hash, self.window_size)
             node.free_leaf_block()
+            if forget_keys:
+                node.forget_key()
+            count += 1
+        return count
 
     def get_free_block(
         self, sequence: GenerationRequest, priority: int, duration_s: float | None
@@ -183,10 +191,18 @@ class WindowBlockManager:
                 )
             self.policy.release_block(block)  # `block` now owns the secondary slot
 
-    def offload_block(self, block: KVCacheBlock, directory: str | None = None) -> None:
-        """Move a primary block's contents to a free secondary slot (out-of-window blocks)."""
+    def offload_block(
+        self,
+        block: KVCacheBlock,
+        directory: str | None = None,
+        target: KVCacheBlock | None = None,
+    ) -> None:
+        """Move a primary block's contents to a free secondary slot (out-of-window blocks), or
+        to the free secondary block `target`."""
         if self.onboard_blocks and block.is_primary:
-            offload, _ = self.policy.get_free_block(SECONDARY_LEVEL)
+            offload = (
+                target if target is not None else self.policy.get_free_block(SECONDARY_LEVEL)[0]
+            )
             self.policy.claim_block(offload)
             self.transfer.copy(_slot(block), _slot(offload), 0, directory)
             block.swap_memory_pool_block_offset(offload)
@@ -804,17 +820,8 @@ class WindowBlockManager:
                 or (parent is not None and parent.block_id in held)
             )
         ]
-        num_dropped = 0
-        for block in roots:
-            subtree = [block]
-            for node in subtree:  # grows while walked: breadth-first
-                subtree.extend(node.next_blocks.values())
-            self._free_children(block)
-            for node in subtree:  # an empty key: a later eviction has nothing to offload
-                node.set_block_key(_EMPTY_KEY, False)
-                node.hash = 0
-            num_dropped += len(subtree)
-        return num_dropped
+        # An empty key: a later eviction has nothing to offload.
+        return sum(self._free_children(block, forget_keys=True) for block in roots)
 
     def offload_reusable_blocks(self, max_blocks: int | None = None) -> int:
         """Move cached primary blocks that nobody holds to empty secondary slots, in eviction
@@ -838,18 +845,9 @@ class WindowBlockManager:
         if max_blocks is not None:
             count = min(count, max_blocks)
         for block, target in zip(sources[:count], targets[:count], strict=True):
-            priority, duration = block.priority, block.duration_s
-            policy.claim_block(block, priority, duration)
-            policy.claim_block(target)
-            self.transfer.copy(_slot(block), _slot(target))
-            block.swap_memory_pool_block_offset(target)
-            if self.events is not None:
-                self.events.enqueue_updated(
-                    UpdatedData(block.hash, cache_level=EventDiff(PRIMARY_LEVEL, SECONDARY_LEVEL)),
-                    self.window_size,
-                )
+            policy.claim_block(block, block.priority, block.duration_s)
+            self.offload_block(block, target=target)  # the empty target takes the primary slot
             policy.release_block(block)  # into the secondary queue, same priority
-            policy.release_block(target)  # the empty block now owns the primary slot
         self.transfer.flush()
         return count
 

@@ -183,7 +183,7 @@ def _inference_router() -> APIRouter:
         body: schemas.CompletionRequest, request: Request, runtime: Runtime
     ) -> Response:
         settings = runtime.settings
-        job = make_job(body, settings.shape, runtime.mgr.get_max_num_blocks())
+        job = make_job(body, settings.shape, runtime.capacity_blocks)
         runtime.engine.submit(job)
         created = int(time.time())
         if body.stream:

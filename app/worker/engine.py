@@ -42,6 +42,7 @@ without storing) and the loop carries on. It never dies silently.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import heapq
 import itertools
 import logging
@@ -484,13 +485,13 @@ class Engine:
                 need = mgr.get_needed_blocks_one_step(request)
             else:
                 need = mgr.get_remaining_blocks_to_completion(request)
-            try:
-                if need > free:
-                    raise OutOfBlocksError(f"needs {need} blocks, {max(free, 0)} can be had")
-                reused = mgr.add_sequence(request)
-            except OutOfBlocksError as exc:
+            reused: int | None = None
+            if need <= free:
+                with contextlib.suppress(OutOfBlocksError):  # refused: nothing changed
+                    reused = mgr.add_sequence(request)
+            if reused is None:
                 if not self.running:  # nothing will free blocks: waiting would be for ever
-                    self._refuse(head, str(exc))
+                    self._refuse(head, f"needs {need} blocks, {max(free, 0)} can be had")
                     continue
                 break
             free -= need
@@ -597,8 +598,6 @@ class Engine:
             if job is not None:
                 assert job.request is not None
                 self._emit(job, job.request, tokens[decode.request_id], now)
-        if any(job.finished for job in self.running):
-            self.running = [job for job in self.running if not job.finished]
 
     def _emit(self, job: Job, request: LlmRequest, token: int, now: float) -> None:
         request.add_new_token(token)
@@ -620,7 +619,7 @@ class Engine:
 
     def _release(self, job: Job, *, store: bool) -> None:
         """Give a running job's blocks back (stored for reuse first when ``store``)."""
-        if job.request is not None and job.request_id in self.mgr.sequences:
+        if job.request is not None and job.state in (JobState.PREFILL, JobState.DECODE):
             self.mgr.remove_sequence(job.request_id, job.request if store else None)
         job.request = None
         if job in self.running:

@@ -104,6 +104,14 @@ class WorkerRuntime:
     engine_task: asyncio.Task[None] | None = None
     started_at: float = field(default_factory=time.time)
 
+    @property
+    def capacity_blocks(self) -> int:
+        """Primary blocks of the cache: fixed at start, so handlers may read it."""
+        return self._capacity_blocks
+
+    def __post_init__(self) -> None:
+        self._capacity_blocks = self.mgr.get_max_num_blocks()
+
     @classmethod
     async def start(cls, settings: WorkerSettings) -> WorkerRuntime:
         embedded: EmbeddedRedis | None = None
@@ -138,7 +146,7 @@ class WorkerRuntime:
             config,
             clock=clock,
             on_step=metrics.observe_step,
-            on_first_token=lambda job: metrics.observe_ttft(job),
+            on_first_token=metrics.observe_ttft,
         )
         registry = manager_registry_entry(mgr, url=settings.url, device=settings.device)
         registry.update(
