@@ -30,6 +30,7 @@ from cache.hashing import (
     MultimodalItem,
     block_hashes_for_tokens,
     block_key_hash,
+    cache_salt_id,
 )
 from cache.manager import CacheType, KVCacheManager, KvCacheStats
 from cache.request import LlmRequest, RequestState
@@ -75,4 +76,5 @@ __all__ = [
     "UpdatedData",
     "block_hashes_for_tokens",
     "block_key_hash",
+    "cache_salt_id",
 ]

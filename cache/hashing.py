@@ -16,6 +16,7 @@ C++ arithmetic to mirror: token ids and multimodal words are mixed as uint32, an
 from __future__ import annotations
 
 import array
+import hashlib
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -448,3 +449,11 @@ def block_hashes_for_tokens(
     )
     result: list[int] = hashes.tolist()
     return result
+
+
+def cache_salt_id(salt: str) -> int:
+    """The 64-bit id a cache salt string enters block keys as (its BLAKE2b-64, little-endian).
+
+    Workers and routers must agree on it, so it lives here rather than in either of them.
+    """
+    return int.from_bytes(hashlib.blake2b(salt.encode(), digest_size=8).digest(), "little")

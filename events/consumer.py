@@ -10,7 +10,9 @@ One task does everything, in a loop, so the index has a single writer:
 3. resynchronise the workers that need it (below);
 4. one blocking ``XREAD`` over the streams of every synchronised worker (``block_ms``, at most
    ``count`` entries per stream), and apply what it returns (with the cyclic garbage collector
-   paused while it does, unless ``pause_gc=False``: decoding makes many short-lived objects).
+   paused while it does, unless ``pause_gc=False``: decoding makes many short-lived objects),
+   giving the event loop back whenever ``step_budget_s`` (10 ms) has passed, so that a router
+   sharing the loop never waits longer than that plus one entry.
 
 Per worker it keeps the epoch, the last event id applied (``last_seq``), the id of the snapshot
 it started from and its position in the stream. For each entry, in stream order:
@@ -140,6 +142,7 @@ class EventConsumer:
         backoff_max_s: float = 2.0,
         on_entry: EntryHook | None = None,
         pause_gc: bool = True,
+        step_budget_s: float = 0.010,
     ) -> None:
         if block_ms <= 0 or count <= 0 or max_entry_bytes <= 0:
             raise ValueError("block_ms, count and max_entry_bytes must be positive")
@@ -156,6 +159,7 @@ class EventConsumer:
         self.backoff_max_s = backoff_max_s
         self.on_entry = on_entry
         self.pause_gc = pause_gc
+        self.step_budget_s = step_budget_s
 
         self._workers: dict[str, WorkerState] = {}
         self._by_key: dict[bytes, WorkerState] = {}
@@ -183,6 +187,7 @@ class EventConsumer:
         self.num_errors = 0
         self.num_redis_restarts = 0
         self.apply_lag_ms = 0.0
+        self.num_yields = 0  # times a batch was split to give the event loop back
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -275,6 +280,7 @@ class EventConsumer:
             "errors": self.num_errors,
             "redis_restarts": self.num_redis_restarts,
             "apply_lag_ms": round(self.apply_lag_ms, 3),
+            "yields": self.num_yields,
         }
 
     async def lag(self, limit: int = 10_000) -> dict[str, dict[str, float]]:
@@ -327,6 +333,20 @@ class EventConsumer:
             count=self.count,
             block=self.block_ms,
         )
+        for key, entries in reply:
+            target = self._by_key.get(key)
+            start = 0
+            while target is not None and target.synced and start < len(entries):
+                start = self._apply_for(target, entries, start)
+                if start < len(entries):
+                    # Over budget: let the rest of the event loop run, then carry on. The index
+                    # is consistent between entries, so readers see a whole entry or none.
+                    await asyncio.sleep(0)
+
+    def _apply_for(
+        self, state: WorkerState, entries: list[tuple[bytes, dict[bytes, bytes]]], start: int
+    ) -> int:
+        """Apply ``entries[start:]`` until ``step_budget_s`` has passed; the next index."""
         # Decoding makes thousands of short-lived objects per entry, all freed by reference
         # counting: the cyclic collector's passes meanwhile are pure cost (about a fifth of
         # the time). Nothing awaits in between, so nothing else runs while it is paused.
@@ -334,10 +354,15 @@ class EventConsumer:
         if pause_gc:
             gc.disable()
         try:
-            for key, entries in reply:
-                target = self._by_key.get(key)
-                if target is not None and target.synced:
-                    self._apply_entries(target, entries)
+            deadline = time.perf_counter() + self.step_budget_s
+            end = start
+            while end < len(entries) and state.synced:
+                self._apply_entries(state, entries[end : end + 1])
+                end += 1
+                if end < len(entries) and time.perf_counter() >= deadline:
+                    self.num_yields += 1
+                    break
+            return end if state.synced else len(entries)
         finally:
             if pause_gc:
                 gc.enable()

@@ -9,7 +9,6 @@ Errors::
 
 from __future__ import annotations
 
-import hashlib
 import uuid
 from typing import Any
 
@@ -17,7 +16,7 @@ from app.worker import schemas
 from app.worker.backend import prompt_seed
 from app.worker.engine import Job
 from app.worker.settings import ModelShape
-from cache import InvalidRetentionConfigError, RetentionConfig, TokenRangeRetention
+from cache import InvalidRetentionConfigError, RetentionConfig, TokenRangeRetention, cache_salt_id
 
 __all__ = ["BadRequest", "completion_body", "make_job", "usage"]
 
@@ -40,10 +39,6 @@ def _retention(spec: schemas.Retention) -> RetentionConfig:
         )
     except InvalidRetentionConfigError as exc:
         raise BadRequest("retention", f"retention: {exc}") from None
-
-
-def _salt_id(salt: str) -> int:
-    return int.from_bytes(hashlib.blake2b(salt.encode(), digest_size=8).digest(), "little")
 
 
 def make_job(body: schemas.CompletionRequest, shape: ModelShape, capacity_blocks: int) -> Job:
@@ -90,7 +85,7 @@ def make_job(body: schemas.CompletionRequest, shape: ModelShape, capacity_blocks
         priority=body.priority,
         lora_task_id=body.lora_task_id,
         cache_salt=body.cache_salt,
-        cache_salt_id=_salt_id(body.cache_salt) if body.cache_salt is not None else None,
+        cache_salt_id=cache_salt_id(body.cache_salt) if body.cache_salt is not None else None,
         retention=retention,
     )
 

@@ -59,15 +59,22 @@ def free_port() -> int:
         return port
 
 
-@contextlib.contextmanager
 def worker_process(
     args: list[str], env: dict[str, str] | None = None
-) -> Iterator[subprocess.Popen[str]]:
+) -> contextlib.AbstractContextManager[subprocess.Popen[str]]:
     """``kvmesh worker ARGS`` as a real process; killed (SIGKILL) if still running at the end."""
+    return service_process("worker", args, env)
+
+
+@contextlib.contextmanager
+def service_process(
+    command: str, args: list[str], env: dict[str, str] | None = None
+) -> Iterator[subprocess.Popen[str]]:
+    """``kvmesh COMMAND ARGS`` as a real process; killed (SIGKILL) if still running at the end."""
     script = Path(sys.executable).parent / "kvmesh"
     full_env = {**os.environ, **(env or {})}
     proc = subprocess.Popen(
-        [str(script), "worker", *args],
+        [str(script), command, *args],
         env=full_env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -88,11 +95,11 @@ def wait_ready(base_url: str, proc: subprocess.Popen[str], timeout_s: float = 60
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             output = proc.stdout.read() if proc.stdout else ""
-            raise AssertionError(f"the worker exited with {proc.returncode}:\n{output}")
+            raise AssertionError(f"the process exited with {proc.returncode}:\n{output}")
         try:
             if httpx.get(f"{base_url}/ready", timeout=1.0).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
         time.sleep(0.1)
-    raise AssertionError(f"the worker at {base_url} was not ready within {timeout_s} s")
+    raise AssertionError(f"{base_url} was not ready within {timeout_s} s")

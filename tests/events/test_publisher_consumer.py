@@ -254,3 +254,47 @@ async def test_lag_counts_unread_entries(clean_redis_url: str) -> None:
             assert (await consumer.lag())["w0"]["entries"] == 0
     finally:
         await consumer.aclose()
+
+
+async def test_the_consumer_gives_the_event_loop_back_between_entries(
+    clean_redis_url: str,
+) -> None:
+    """A backlog is applied in slices of ``step_budget_s`` (here 0: one entry per slice), with
+    the event loop free in between, and the index is whole between entries."""
+    workload = Workload(seed=310)
+    async with make_publisher(clean_redis_url, "w0", workload) as publisher:
+        await publisher.flush(5)
+        consumer = make_consumer(clean_redis_url, step_budget_s=0.0, count=1_000)
+        try:
+            while consumer.last_seq("w0") is None:
+                await consumer.step()
+            client = aioredis.Redis.from_url(clean_redis_url)
+            length_before = await client.xlen(keys.events_key("w0"))
+            for _ in range(20):  # one stream entry per flush (none when a step made no event)
+                await drive(workload, publisher, 1)
+                await publisher.flush(5)
+            new_entries = await client.xlen(keys.events_key("w0")) - length_before
+            await client.aclose()
+            entries_before = consumer.num_entries
+            turns = 0
+            stop = asyncio.Event()
+
+            async def ticker() -> None:
+                nonlocal turns
+                while not stop.is_set():
+                    turns += 1
+                    await asyncio.sleep(0)
+
+            task = asyncio.create_task(ticker())
+            await asyncio.sleep(0)
+            await consumer.step()
+            stop.set()
+            await task
+            applied = consumer.num_entries - entries_before
+            assert applied == new_entries > 10
+            assert consumer.num_yields == applied - 1
+            assert turns >= applied - 1
+            assert consumer.last_seq("w0") == last_event_id(workload)
+            assert index_blocks(consumer.index, "w0") == workload.blocks()
+        finally:
+            await consumer.aclose()

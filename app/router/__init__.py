@@ -1,0 +1,2 @@
+"""The cache-aware router: pure policies (``policy``), the routing state (``core``), and the
+service around them (``service``, ``api``)."""

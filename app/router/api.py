@@ -1,0 +1,385 @@
+"""The router's HTTP API: the OpenAI front door, routing decisions, the cluster's state.
+
+Handlers are thin: prompts become block hashes, the ``RouterCore`` decides, ``proxy`` forwards.
+Errors are mapped to HTTP once, here, in OpenAI's shape::
+
+    RequestValidationError, BadPrompt           400 (naming the field)
+    missing bearer token                        401
+    admin calls disabled, or a wrong token      403
+    body over max_body_bytes                    413
+    NoWorkerError                               503 + Retry-After
+
+A worker's own answer (a 4xx about the request, say) is passed through as it came, with the
+worker's id in ``x-kvmesh-worker``. A worker that fails before answering (connection refused
+or reset, a timeout on connecting, or a 502/503/504) is tried once more on the next best
+worker; if that fails too the client gets a 502 naming both.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import asdict
+from typing import Annotated, Any
+
+import httpx
+import orjson
+from fastapi import APIRouter, Depends, FastAPI, Query, Request
+from fastapi.responses import Response, StreamingResponse
+
+from app.http import OrjsonResponse, OrjsonRoute, admin_dependency, error, install_error_handlers
+from app.middleware import BodyLimit, error_body
+from app.router import schemas
+from app.router.core import NoWorkerError
+from app.router.metrics import CONTENT_TYPE
+from app.router.policy import Candidate, Decision, Weights
+from app.router.service import RouterRuntime
+
+__all__ = ["BadPrompt", "install"]
+
+_RETRY_STATUSES = frozenset((502, 503, 504))
+
+
+class BadPrompt(Exception):
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+        self.message = message
+
+
+async def _runtime(request: Request) -> RouterRuntime:
+    runtime: RouterRuntime = request.app.state.runtime
+    return runtime
+
+
+Runtime = Annotated[RouterRuntime, Depends(_runtime)]
+
+
+# -- prompts and decisions ---------------------------------------------------------------------
+
+
+def _tokens(runtime: RouterRuntime, prompt: str | list[int], param: str) -> list[int]:
+    if isinstance(prompt, str):
+        if runtime.tokenizer is None:
+            raise BadPrompt(
+                param,
+                f"{param}: text prompts need the router's tokenizer (--tokenizer); "
+                "send token ids instead",
+            )
+        tokens = runtime.tokenize(prompt)
+    else:
+        tokens = prompt
+    if not tokens:
+        raise BadPrompt(param, f"{param}: must hold at least one token")
+    if len(tokens) > runtime.settings.max_prompt_tokens:
+        raise BadPrompt(
+            param,
+            f"{param}: {len(tokens)} tokens; the router takes at most "
+            f"{runtime.settings.max_prompt_tokens}",
+        )
+    if min(tokens) < 0 or max(tokens) >= 1 << 32:
+        raise BadPrompt(param, f"{param}: token ids must be within 0..2**32-1")
+    return tokens
+
+
+def _routing(runtime: RouterRuntime, routing: schemas.Routing | None) -> tuple[str, Weights]:
+    core = runtime.core
+    if routing is None:
+        return core.policy, core.weights
+    weights = core.weights
+    if routing.weights is not None:
+        try:
+            weights = weights.updated(**routing.weights.model_dump())
+        except ValueError as exc:
+            raise BadPrompt("routing.weights", f"routing.weights: {exc}") from None
+    return routing.policy or core.policy, weights
+
+
+def _decide(
+    runtime: RouterRuntime,
+    tokens: list[int],
+    fields: schemas.PromptFields,
+    *,
+    exclude: tuple[str, ...] = (),
+) -> tuple[Decision, list[int], float]:
+    """Hash the prompt and choose; (decision, block hashes, seconds it took)."""
+    start = time.perf_counter()
+    core = runtime.core
+    policy, weights = _routing(runtime, fields.routing)
+    hashes = core.hashes(tokens, lora_task_id=fields.lora_task_id, cache_salt=fields.cache_salt)
+    decision = core.decide(hashes, len(tokens), policy=policy, weights=weights, exclude=exclude)
+    elapsed = time.perf_counter() - start
+    runtime.metrics.observe_decision(decision, elapsed, len(tokens))
+    return decision, hashes, elapsed
+
+
+def _route_body(
+    runtime: RouterRuntime, decision: Decision, num_tokens: int, seconds: float
+) -> dict[str, Any]:
+    view = runtime.core.workers.get(decision.worker)
+    return {
+        "worker": decision.worker,
+        "url": view.url if view is not None else None,
+        "policy": decision.policy,
+        "expected_cached_tokens": decision.expected_cached_tokens,
+        "fresh": decision.fresh,
+        "num_tokens": num_tokens,
+        "num_blocks": num_tokens // runtime.core.tokens_per_block,
+        "decision_us": round(seconds * 1e6, 3),
+        "costs": [asdict(cost) for cost in decision.costs],
+    }
+
+
+def _explain(runtime: RouterRuntime, decision: Decision, hashes: list[int]) -> list[dict[str, Any]]:
+    core = runtime.core
+    by_tier = core.index.find_matches_by_tier(hashes) if hashes else {}
+    candidates: dict[str, Candidate] = {c.worker: c for c in core.candidates(hashes)}
+    out: list[dict[str, Any]] = []
+    for cost in decision.costs:
+        c = candidates.get(cost.worker) or Candidate(cost.worker)
+        view = core.workers.get(cost.worker)
+        depth, gpu = by_tier.get(cost.worker, (0, 0))
+        out.append(
+            {
+                "worker": cost.worker,
+                "state": view.state if view is not None else "gone",
+                "stale_reason": view.stale_reason if view is not None else None,
+                "matched_blocks": c.matched_blocks,
+                "index_blocks": depth,
+                "gpu_blocks": gpu,
+                "host_blocks": depth - gpu,
+                "predicted_blocks": c.matched_blocks - depth,
+                "queued_prefill_tokens": c.queued_prefill_tokens,
+                "running": c.running,
+                "active_blocks": c.active_blocks,
+                "free_blocks": c.free_blocks,
+                "cost": asdict(cost),
+            }
+        )
+    return out
+
+
+def _sse(data: Any) -> bytes:
+    return b"data: " + orjson.dumps(data) + b"\n\n"
+
+
+# -- routes ------------------------------------------------------------------------------------
+
+
+def _routing_router() -> APIRouter:
+    router = APIRouter(tags=["routing"], route_class=OrjsonRoute)
+
+    @router.post(
+        "/route",
+        response_model=schemas.RouteResponse | schemas.ExplainResponse,
+        summary="Choose a worker for a prompt (nothing is sent; ?explain=true for the details)",
+    )
+    async def route(
+        body: schemas.RouteBody, runtime: Runtime, explain: Annotated[bool, Query()] = False
+    ) -> Response:
+        prompt = body.prompt_token_ids if body.prompt_token_ids is not None else body.prompt
+        param = "prompt_token_ids" if body.prompt_token_ids is not None else "prompt"
+        assert prompt is not None
+        tokens = _tokens(runtime, prompt, param)
+        decision, hashes, seconds = _decide(runtime, tokens, body)
+        out = _route_body(runtime, decision, len(tokens), seconds)
+        if explain:
+            out["workers"] = _explain(runtime, decision, hashes)
+        return OrjsonResponse(out)
+
+    @router.post(
+        "/route/explain",
+        response_model=schemas.ExplainResponse,
+        summary="Why a prompt would go where it goes: every worker's match per tier, load, cost",
+    )
+    async def route_explain(body: schemas.RouteBody, runtime: Runtime) -> Response:
+        return await route(body, runtime, explain=True)
+
+    @router.post(
+        "/v1/completions",
+        summary="OpenAI completions: routed to the best worker and proxied (streaming too)",
+        responses={503: {"description": "no worker is up (Retry-After)"}},
+    )
+    async def completions(body: schemas.CompletionBody, runtime: Runtime) -> Response:
+        tokens = _tokens(runtime, body.prompt, "prompt")
+        payload = body.model_dump(exclude_unset=True, exclude={"routing"})
+        payload["prompt"] = tokens
+        request_id = body.request_id or f"cmpl-{uuid.uuid4().hex}"
+        if request_id in runtime.core.inflight:
+            raise BadPrompt("request_id", f"request_id: {request_id!r} is already in flight")
+        payload["request_id"] = request_id
+        return await _proxy(runtime, body, tokens, payload, request_id)
+
+    return router
+
+
+async def _proxy(
+    runtime: RouterRuntime,
+    body: schemas.CompletionBody,
+    tokens: list[int],
+    payload: dict[str, Any],
+    request_id: str,
+) -> Response:
+    """Send to the best worker; once more to the next best if the first fails before answering."""
+    core = runtime.core
+    metrics = runtime.metrics
+    content = orjson.dumps(payload)
+    tried: list[str] = []
+    failures: list[str] = []
+    for _attempt in range(2):
+        decision, hashes, _ = _decide(runtime, tokens, body, exclude=tuple(tried))
+        worker = decision.worker
+        tried.append(worker)
+        view = core.workers[worker]
+        url = f"{view.url}/v1/completions"
+        core.begin(request_id, decision, hashes, len(tokens))
+        try:
+            upstream = await runtime.http.send(
+                runtime.http.build_request(
+                    "POST", url, content=content, headers={"content-type": "application/json"}
+                ),
+                stream=True,
+            )
+        except httpx.HTTPError as exc:
+            core.finish(request_id)
+            failures.append(f"{worker}: {type(exc).__name__}")
+            metrics.retries.inc()
+            continue
+        if upstream.status_code in _RETRY_STATUSES:
+            await upstream.aclose()
+            core.finish(request_id)
+            failures.append(f"{worker}: HTTP {upstream.status_code}")
+            metrics.retries.inc()
+            continue
+        headers = {"x-kvmesh-worker": worker}
+        if body.stream and upstream.status_code == 200:
+            return StreamingResponse(
+                _relay(runtime, request_id, upstream),
+                status_code=upstream.status_code,
+                media_type=upstream.headers.get("content-type", "text/event-stream"),
+                headers=headers,
+            )
+        try:
+            data = await upstream.aread()
+        except httpx.HTTPError as exc:
+            failures.append(f"{worker}: {type(exc).__name__} while reading")
+            return error(502, f"worker {worker} failed mid-response", "upstream_error")
+        finally:
+            await upstream.aclose()
+            core.finish(request_id)
+        metrics.completions.labels(worker=worker, status=str(upstream.status_code)).inc()
+        return Response(
+            data,
+            status_code=upstream.status_code,
+            media_type=upstream.headers.get("content-type", "application/json"),
+            headers=headers,
+        )
+    metrics.completions.labels(worker="", status="502").inc()
+    return error(
+        502,
+        f"no worker answered: {'; '.join(failures)}",
+        "upstream_error",
+    )
+
+
+async def _relay(
+    runtime: RouterRuntime, request_id: str, upstream: httpx.Response
+) -> AsyncIterator[bytes]:
+    """Pass a worker's stream through chunk by chunk; the first chunk ends the prefill."""
+    core = runtime.core
+    worker = core.inflight[request_id].worker if request_id in core.inflight else ""
+    status = "200"
+    try:
+        async for chunk in upstream.aiter_raw():
+            core.prefilled(request_id)
+            yield chunk
+    except httpx.HTTPError:
+        status = "502"
+        yield _sse(error_body("the worker failed mid-stream", "upstream_error"))
+    finally:
+        await upstream.aclose()
+        core.finish(request_id)
+        runtime.metrics.completions.labels(worker=worker, status=status).inc()
+
+
+def _cluster_router(runtime_settings: Any) -> APIRouter:
+    router = APIRouter(tags=["cluster"], route_class=OrjsonRoute)
+    admin = admin_dependency(runtime_settings.admin_token, "router")
+
+    @router.get("/workers", summary="Every worker: state, load, blocks per tier, heartbeat")
+    async def workers(runtime: Runtime) -> Response:
+        return OrjsonResponse({"workers": runtime.workers_report()})
+
+    @router.get("/index/stats", summary="The prefix index and the event consumer")
+    async def index_stats(runtime: Runtime) -> Response:
+        stats = runtime.index.stats()
+        return OrjsonResponse(
+            {
+                "index": stats,
+                "approx_bytes": runtime.index.approx_bytes() if stats["blocks"] < 1e6 else None,
+                "consumer": runtime.consumer.stats(),
+                "tokens_per_block": runtime.core.tokens_per_block,
+            }
+        )
+
+    @router.get("/policy", response_model=schemas.PolicyOut, summary="The routing policy")
+    async def get_policy(runtime: Runtime) -> Response:
+        return OrjsonResponse(_policy_body(runtime))
+
+    @router.put(
+        "/policy",
+        response_model=schemas.PolicyOut,
+        dependencies=[admin],
+        summary="Change the routing policy or its weights (admin)",
+    )
+    async def put_policy(body: schemas.PolicyUpdate, runtime: Runtime) -> Response:
+        policy, weights = _routing(
+            runtime, schemas.Routing(policy=body.policy, weights=body.weights)
+        )
+        runtime.core.policy = policy
+        runtime.core.weights = weights
+        return OrjsonResponse(_policy_body(runtime))
+
+    @router.get("/health", summary="The process is up")
+    async def health() -> Response:
+        return OrjsonResponse({"status": "ok"})
+
+    @router.get("/ready", summary="Ready to route: workers known, up, fresh and caught up")
+    async def ready(runtime: Runtime) -> Response:
+        body = runtime.readiness()
+        return OrjsonResponse(body, status_code=200 if body["ready"] else 503)
+
+    @router.get("/metrics", summary="Prometheus metrics", response_class=Response)
+    async def metrics(runtime: Runtime) -> Response:
+        return Response(runtime.metrics.render(), media_type=CONTENT_TYPE)
+
+    return router
+
+
+def _policy_body(runtime: RouterRuntime) -> dict[str, Any]:
+    return {"policy": runtime.core.policy, "weights": asdict(runtime.core.weights)}
+
+
+# -- errors ------------------------------------------------------------------------------------
+
+
+def _install_error_handlers(app: FastAPI, retry_after_s: int) -> None:
+    install_error_handlers(app)
+
+    @app.exception_handler(BadPrompt)
+    async def bad_prompt(request: Request, exc: BadPrompt) -> Response:
+        return error(400, exc.message, "invalid_request_error", exc.param)
+
+    @app.exception_handler(NoWorkerError)
+    async def no_worker(request: Request, exc: NoWorkerError) -> Response:
+        return error(
+            503, str(exc), "unavailable_error", None, **{"Retry-After": str(retry_after_s)}
+        )
+
+
+def install(app: FastAPI, settings: Any) -> None:
+    _install_error_handlers(app, settings.retry_after_s)
+    app.include_router(_routing_router())
+    app.include_router(_cluster_router(settings))
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)

@@ -1,0 +1,320 @@
+"""``RouterCore``: what a router knows about its workers, and its decisions. Synchronous, no I/O.
+
+The router service and ``kvmesh replay`` both drive one of these: the service from Redis (the
+registry, heartbeats, load keys, the event streams through an ``EventConsumer``) and HTTP
+responses; replay from its in-process cluster. The core owns:
+
+* the ``PrefixIndex`` (shared with the consumer that fills it; the core only reads it);
+* one ``WorkerView`` per worker that may take requests: URL, capacity, the load it last
+  reported, whether its data is fresh, and the router's own in-flight accounting (prompt tokens
+  sent and not prefilled yet, sequences and blocks in flight), which is newer than any report;
+* the predicted cache: right after a decision the chosen worker is assumed to hold the request's
+  blocks for ``predict_ttl_s``, until its ``stored`` events reach the index, so that a burst of
+  requests sharing a new prefix lands together instead of scattering;
+* the policy state (seeded random generator, round-robin position).
+
+A request's life: ``decide`` -> ``begin`` (counts it in flight, predicts its blocks) ->
+``prefilled`` (its first token came back) -> ``finish`` (the response ended, well or not).
+
+Predictions are whole chains from the root (a request's hashes from block 0), and so is what
+the index holds for one of our workers, so a prediction extends a worker's match from where the
+index's match ends: one dict probe per extra block, none when the prediction adds nothing.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from app.router.policy import (
+    Candidate,
+    Decision,
+    PolicyState,
+    RouteRequest,
+    Weights,
+    choose,
+)
+from cache import block_hashes_for_tokens, cache_salt_id
+from events.index import PrefixIndex
+
+__all__ = ["InFlight", "NoWorkerError", "RouterCore", "WorkerState", "WorkerView"]
+
+WorkerState = Literal["up", "stale", "draining"]
+
+
+class NoWorkerError(Exception):
+    """No worker can take the request (none registered and alive, or all excluded)."""
+
+
+@dataclass(slots=True)
+class WorkerView:
+    worker: str
+    url: str | None = None
+    capacity_blocks: int = 0
+    draining: bool = False
+    stale_reason: str | None = None  # why its index data or load is not current; None: fresh
+    load: dict[str, int] = field(default_factory=dict)  # as the worker last reported it
+    # The router's own accounting of what it sent there.
+    inflight_prefill_tokens: int = 0
+    inflight_running: int = 0
+    inflight_blocks: int = 0
+    num_decisions: int = 0
+
+    @property
+    def state(self) -> WorkerState:
+        if self.draining:
+            return "draining"
+        return "stale" if self.stale_reason is not None else "up"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "worker": self.worker,
+            "url": self.url,
+            "state": self.state,
+            "stale_reason": self.stale_reason,
+            "capacity_blocks": self.capacity_blocks,
+            "load": dict(self.load),
+            "inflight": {
+                "prefill_tokens": self.inflight_prefill_tokens,
+                "running": self.inflight_running,
+                "blocks": self.inflight_blocks,
+            },
+            "decisions": self.num_decisions,
+        }
+
+
+@dataclass(slots=True)
+class InFlight:
+    request_id: str
+    worker: str
+    prefill_tokens: int  # uncached prompt tokens, until prefilled
+    blocks: int
+    prefilled: bool = False
+
+
+class RouterCore:
+    """Routing state and decisions for one router (or one replay run); see the module docstring."""
+
+    def __init__(
+        self,
+        index: PrefixIndex,
+        *,
+        tokens_per_block: int,
+        policy: str = "kv_aware",
+        weights: Weights | None = None,
+        seed: int = 0,
+        predict_ttl_s: float = 2.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if tokens_per_block <= 0:
+            raise ValueError(f"tokens_per_block: must be positive, got {tokens_per_block}")
+        self.index = index
+        self.tokens_per_block = tokens_per_block
+        self.policy = policy
+        self.weights = weights or Weights()
+        self.state = PolicyState(seed)
+        self.predict_ttl_s = predict_ttl_s
+        self.clock = clock
+        self.workers: dict[str, WorkerView] = {}
+        self.inflight: dict[str, InFlight] = {}
+        # worker -> block hash -> expiry; expiry order for purging.
+        self._predicted: dict[str, dict[int, float]] = {}
+        self._expiries: deque[tuple[float, str, Sequence[int]]] = deque()
+
+    # -- workers -------------------------------------------------------------------------------
+
+    def upsert_worker(
+        self,
+        worker: str,
+        *,
+        url: str | None = None,
+        capacity_blocks: int = 0,
+        draining: bool = False,
+    ) -> WorkerView:
+        view = self.workers.get(worker)
+        if view is None:
+            view = self.workers[worker] = WorkerView(worker)
+        view.url = url
+        view.capacity_blocks = capacity_blocks
+        view.draining = draining
+        return view
+
+    def remove_worker(self, worker: str) -> None:
+        """Stop routing to ``worker`` (its in-flight requests stay counted until they finish)."""
+        self.workers.pop(worker, None)
+        self._predicted.pop(worker, None)
+
+    def set_load(self, worker: str, load: dict[str, int]) -> None:
+        view = self.workers.get(worker)
+        if view is not None:
+            view.load = load
+
+    def set_stale(self, worker: str, reason: str | None) -> None:
+        """Mark ``worker``'s data stale (``reason``) or fresh (None)."""
+        view = self.workers.get(worker)
+        if view is not None:
+            view.stale_reason = reason
+
+    # -- decisions -----------------------------------------------------------------------------
+
+    def hashes(
+        self,
+        tokens: Sequence[int],
+        *,
+        lora_task_id: int | None = None,
+        cache_salt: str | None = None,
+    ) -> list[int]:
+        """The chained hashes of the prompt's full blocks, as the workers' managers make them."""
+        return block_hashes_for_tokens(
+            tokens,
+            self.tokens_per_block,
+            lora_task_id=lora_task_id,
+            cache_salt_id=cache_salt_id(cache_salt) if cache_salt is not None else None,
+        )
+
+    def candidates(
+        self, block_hashes: Sequence[int], *, exclude: Iterable[str] = ()
+    ) -> list[Candidate]:
+        """One ``Candidate`` per worker that may take a request (not draining, not excluded),
+        in worker-id order so that every router sees the same list."""
+        now = self.clock()
+        self._purge(now)
+        skip = set(exclude)
+        matches = self.index.find_matches_by_tier(block_hashes) if block_hashes else {}
+        out: list[Candidate] = []
+        for worker in sorted(self.workers):
+            view = self.workers[worker]
+            if view.draining or worker in skip:
+                continue
+            depth, gpu = matches.get(worker, (0, 0))
+            host = depth - gpu
+            predicted = self._predicted.get(worker)
+            if predicted:
+                get = predicted.get
+                n = len(block_hashes)
+                extended = depth
+                while extended < n and get(block_hashes[extended], 0.0) > now:
+                    extended += 1
+                depth = extended  # predicted blocks count as GPU blocks: they were just made
+            load = view.load
+            reported_running = load.get("running_requests", load.get("active_sequences", 0))
+            free = load.get("free_blocks_0", view.capacity_blocks)
+            out.append(
+                Candidate(
+                    worker=worker,
+                    matched_blocks=depth,
+                    host_blocks=host,
+                    queued_prefill_tokens=view.inflight_prefill_tokens,
+                    running=max(
+                        view.inflight_running, reported_running + load.get("waiting_requests", 0)
+                    ),
+                    active_blocks=max(view.inflight_blocks, load.get("used_blocks_0", 0)),
+                    free_blocks=max(free - view.inflight_blocks, 0) if load else free,
+                    capacity_blocks=view.capacity_blocks,
+                    cached_blocks=self._num_cached(worker),
+                    fresh=view.stale_reason is None,
+                )
+            )
+        return out
+
+    def _num_cached(self, worker: str) -> int:
+        try:
+            return self.index.num_blocks(worker)
+        except KeyError:
+            return 0
+
+    def decide(
+        self,
+        block_hashes: Sequence[int],
+        num_tokens: int,
+        *,
+        policy: str | None = None,
+        weights: Weights | None = None,
+        exclude: Iterable[str] = (),
+    ) -> Decision:
+        """Choose a worker for a prompt of ``num_tokens`` tokens whose full blocks hash to
+        ``block_hashes``. Changes nothing but the policy state; ``begin`` records the choice."""
+        candidates = self.candidates(block_hashes, exclude=exclude)
+        if not candidates:
+            raise NoWorkerError("no worker is up" if not self.workers else "no worker is left")
+        request = RouteRequest(
+            num_tokens, self.tokens_per_block, block_hashes[-1] if block_hashes else num_tokens
+        )
+        return choose(
+            policy or self.policy, request, candidates, weights or self.weights, self.state
+        )
+
+    def begin(
+        self, request_id: str, decision: Decision, block_hashes: Sequence[int], num_tokens: int
+    ) -> InFlight:
+        """Count a request sent to ``decision.worker`` as in flight, and predict its blocks."""
+        if request_id in self.inflight:
+            raise ValueError(f"request_id: {request_id!r} is already in flight")
+        worker = decision.worker
+        flight = InFlight(
+            request_id,
+            worker,
+            prefill_tokens=num_tokens - decision.expected_cached_tokens,
+            blocks=-(-num_tokens // self.tokens_per_block),
+        )
+        self.inflight[request_id] = flight
+        view = self.workers.get(worker)
+        if view is not None:
+            view.inflight_prefill_tokens += flight.prefill_tokens
+            view.inflight_running += 1
+            view.inflight_blocks += flight.blocks
+            view.num_decisions += 1
+        if self.predict_ttl_s > 0 and block_hashes:
+            self.predict(worker, block_hashes)
+        return flight
+
+    def prefilled(self, request_id: str) -> None:
+        """The request's prompt is processed (its first token came back)."""
+        flight = self.inflight.get(request_id)
+        if flight is None or flight.prefilled:
+            return
+        flight.prefilled = True
+        view = self.workers.get(flight.worker)
+        if view is not None:
+            view.inflight_prefill_tokens -= flight.prefill_tokens
+
+    def finish(self, request_id: str) -> None:
+        """The request ended (completed, failed or cancelled): it leaves the accounting."""
+        self.prefilled(request_id)
+        flight = self.inflight.pop(request_id, None)
+        if flight is None:
+            return
+        view = self.workers.get(flight.worker)
+        if view is not None:
+            view.inflight_running -= 1
+            view.inflight_blocks -= flight.blocks
+
+    # -- the predicted cache -------------------------------------------------------------------
+
+    def predict(self, worker: str, block_hashes: Sequence[int]) -> None:
+        """Assume ``worker`` holds ``block_hashes`` (a chain from the root) for the TTL."""
+        expiry = self.clock() + self.predict_ttl_s
+        predicted = self._predicted.setdefault(worker, {})
+        predicted.update(dict.fromkeys(block_hashes, expiry))
+        self._expiries.append((expiry, worker, block_hashes))
+
+    def num_predicted(self, worker: str) -> int:
+        now = self.clock()
+        return sum(1 for expiry in self._predicted.get(worker, {}).values() if expiry > now)
+
+    def _purge(self, now: float) -> None:
+        """Forget predictions whose TTL passed (a hash predicted again later stays)."""
+        expiries = self._expiries
+        while expiries and expiries[0][0] <= now:
+            _, worker, hashes = expiries.popleft()
+            predicted = self._predicted.get(worker)
+            if predicted is None:
+                continue
+            for block_hash in hashes:
+                if predicted.get(block_hash, now + 1.0) <= now:
+                    del predicted[block_hash]
+            if not predicted:
+                del self._predicted[worker]

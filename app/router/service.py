@@ -1,0 +1,380 @@
+"""The router process: an ``EventConsumer`` filling a ``PrefixIndex``, a ``RouterCore`` deciding,
+an HTTP client proxying, and the loop that keeps the core's view of the workers current.
+
+``RouterRuntime.start(settings)`` builds everything (nothing at import time) and starts two
+tasks on the event loop:
+
+* the consumer (``events.consumer``): every registered worker's stream into the index; it gives
+  the loop back every ``step_budget_ms`` so that requests never wait long behind it;
+* the sync loop: every ``sync_interval_s`` it copies the consumer's view (registered, alive,
+  synchronised) into the core; every ``load_interval_s`` it reads each worker's load hash,
+  heartbeat TTL and stream tail in one pipeline. A worker is routed to only while its heartbeat
+  key exists; one whose heartbeat expired leaves the core at the next sync and the index at the
+  consumer's next liveness check (both within half a second by default).
+
+A worker's data is *stale* (reported in ``/workers``, ``/ready``, metrics and every decision,
+never silently used as fresh) when the consumer is resynchronising it, when the entries it has
+not read yet are older than ``max_lag_ms``, when its heartbeat is late (under a third of its TTL
+left), or when it has published no load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any
+
+import httpx
+import uvicorn
+from fastapi import FastAPI
+from redis.asyncio import Redis
+
+from app.router.core import RouterCore
+from app.router.metrics import RouterMetrics
+from app.router.settings import RouterSettings
+from events import keys
+from events.consumer import EventConsumer, WorkerState
+from events.index import PrefixIndex
+from events.publisher import REDIS_ERRORS, redis_client
+
+__all__ = ["RouterRuntime", "WorkerStatus", "create_app", "serve"]
+
+logger = logging.getLogger(__name__)
+
+_DEFAULT_TOKENS_PER_BLOCK = 16
+
+
+@dataclass(slots=True)
+class WorkerStatus:
+    """What the sync loop last read about one worker, beyond what the core keeps."""
+
+    lag_ms: float = 0.0
+    heartbeat_age_s: float | None = None
+    heartbeat_ttl_s: float | None = None
+    has_load: bool = False
+    tokens_per_block: int | None = None
+
+
+class RouterRuntime:
+    """Everything one router process owns; see the module docstring."""
+
+    def __init__(self, settings: RouterSettings, redis: Redis) -> None:
+        self.settings = settings
+        self.redis = redis
+        self.index = PrefixIndex()
+        self.consumer = EventConsumer(
+            redis, index=self.index, step_budget_s=settings.step_budget_ms / 1000
+        )
+        self.core = RouterCore(
+            self.index,
+            tokens_per_block=settings.tokens_per_block or _DEFAULT_TOKENS_PER_BLOCK,
+            policy=settings.policy,
+            weights=settings.weights(),
+            seed=settings.seed,
+            predict_ttl_s=settings.predict_ttl_s,
+        )
+        self.tokens_per_block_known = settings.tokens_per_block is not None
+        self.status: dict[str, WorkerStatus] = {}
+        self.incompatible: dict[str, str] = {}  # worker -> why it is not routed to
+        self.http = httpx.AsyncClient(
+            timeout=httpx.Timeout(settings.proxy_timeout_s, connect=settings.connect_timeout_s),
+            limits=httpx.Limits(max_connections=1_024, max_keepalive_connections=256),
+        )
+        self.tokenizer: Any = None
+        self.synced_once = False
+        self.redis_ok = False
+        self.started_at = time.time()
+        self._next_load_at = 0.0
+        self._task: asyncio.Task[None] | None = None
+        self.num_sync_errors = 0
+        self.metrics = RouterMetrics(self)
+
+    @classmethod
+    async def start(cls, settings: RouterSettings) -> RouterRuntime:
+        if settings.redis_url is None:
+            raise ValueError("redis_url: the router reads the workers' streams; give their Redis")
+        runtime = cls(settings, redis_client(settings.redis_url, socket_timeout=5.0))
+        if settings.tokenizer is not None:
+            from tokenizers import Tokenizer
+
+            runtime.tokenizer = Tokenizer.from_file(settings.tokenizer)
+        await runtime.consumer.start()
+        runtime._task = asyncio.create_task(runtime._run_sync(), name="kvmesh-router-sync")
+        logger.info("router: started (policy %s)", settings.policy)
+        return runtime
+
+    async def aclose(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        await self.consumer.aclose()
+        await self.http.aclose()
+        await self.redis.aclose()
+
+    # -- the sync loop -------------------------------------------------------------------------
+
+    async def _run_sync(self) -> None:
+        while True:
+            try:
+                await self.sync_once()
+                self.redis_ok = True
+            except REDIS_ERRORS as exc:
+                self.num_sync_errors += 1
+                if self.redis_ok:
+                    logger.warning("router: Redis read failed: %s", exc)
+                self.redis_ok = False
+            except Exception:
+                self.num_sync_errors += 1
+                logger.exception("router: sync error")
+            await asyncio.sleep(self.settings.sync_interval_s)
+
+    async def sync_once(self) -> None:
+        """Bring the core's workers in line with the consumer's (and, when due, the loads)."""
+        now = time.monotonic()
+        if now >= self._next_load_at:
+            await self._read_loads()
+            self._next_load_at = now + self.settings.load_interval_s
+        self._apply_view()
+        self.synced_once = True
+
+    def _apply_view(self) -> None:
+        core = self.core
+        states = self.consumer.workers()
+        for worker in list(core.workers):
+            state = states.get(worker)
+            if state is None or not state.alive:
+                core.remove_worker(worker)
+        for worker in list(self.status):
+            if worker not in states:
+                del self.status[worker]
+                self.incompatible.pop(worker, None)
+        for worker, state in states.items():
+            if not state.alive:
+                continue
+            status = self.status.setdefault(worker, WorkerStatus())
+            info = state.info
+            if not self._compatible(worker, info, status):
+                core.remove_worker(worker)
+                continue
+            capacity = info.get("capacity") or [0]
+            view = core.upsert_worker(
+                worker,
+                url=info.get("url"),
+                capacity_blocks=int(capacity[0]) if capacity else 0,
+                draining=bool(info.get("draining")),
+            )
+            core.set_stale(worker, self._stale_reason(state, status))
+            if not view.url:
+                core.set_stale(worker, "no_url")
+
+    def _compatible(self, worker: str, info: dict[str, Any], status: WorkerStatus) -> bool:
+        tpb = info.get("tokens_per_block")
+        status.tokens_per_block = tpb if isinstance(tpb, int) else None
+        if status.tokens_per_block is None:
+            self.incompatible[worker] = "its registry entry has no tokens_per_block"
+            return False
+        if not self.tokens_per_block_known:
+            self.core.tokens_per_block = status.tokens_per_block
+            self.tokens_per_block_known = True
+            logger.info("router: hashing prompts in blocks of %d tokens", status.tokens_per_block)
+        if status.tokens_per_block != self.core.tokens_per_block:
+            self.incompatible[worker] = (
+                f"tokens_per_block {status.tokens_per_block}, the router hashes "
+                f"{self.core.tokens_per_block}"
+            )
+            return False
+        self.incompatible.pop(worker, None)
+        return True
+
+    def _stale_reason(self, state: WorkerState, status: WorkerStatus) -> str | None:
+        if not state.synced:
+            return "resyncing"
+        if status.lag_ms > self.settings.max_lag_ms:
+            return "lagging"
+        if (
+            status.heartbeat_age_s is not None
+            and status.heartbeat_ttl_s
+            and status.heartbeat_age_s > status.heartbeat_ttl_s * 2 / 3
+        ):
+            return "heartbeat_late"
+        if not status.has_load:
+            return "no_load"
+        return None
+
+    async def _read_loads(self) -> None:
+        states = [s for s in self.consumer.workers().values() if s.alive]
+        if not states:
+            return
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for state in states:
+                pipe.hgetall(keys.load_key(state.worker))
+                pipe.pttl(keys.alive_key(state.worker))
+                pipe.xinfo_stream(state.key)
+            replies = await pipe.execute(raise_on_error=False)
+        now_ms = time.time() * 1000
+        behind: list[WorkerState] = []
+        for i, state in enumerate(states):
+            load_raw, pttl, info = replies[3 * i : 3 * i + 3]
+            status = self.status.setdefault(state.worker, WorkerStatus())
+            ttl_s = state.info.get("heartbeat_ttl_s")
+            status.heartbeat_ttl_s = float(ttl_s) if isinstance(ttl_s, int | float) else None
+            if isinstance(pttl, int) and pttl >= 0 and status.heartbeat_ttl_s:
+                status.heartbeat_age_s = max(status.heartbeat_ttl_s - pttl / 1000, 0.0)
+            elif isinstance(pttl, int) and pttl == -2:
+                # The heartbeat expired: out of rotation now, not at the consumer's next check.
+                self.core.remove_worker(state.worker)
+                status.heartbeat_age_s = None
+            load = _parse_load(load_raw)
+            status.has_load = bool(load)
+            if load:
+                self.core.set_load(state.worker, load)
+            last_id = info.get("last-generated-id") if isinstance(info, dict) else None
+            status.lag_ms = 0.0
+            if last_id is not None and _id_key(last_id) > _id_key(state.pos):
+                behind.append(state)
+        if behind:
+            # The age of the oldest entry not read yet is the index's lag for that worker.
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for state in behind:
+                    pipe.xrange(state.key, min=f"({_id_text(state.pos)}", max="+", count=1)
+                firsts = await pipe.execute(raise_on_error=False)
+            for state, first in zip(behind, firsts, strict=True):
+                if isinstance(first, list) and first:
+                    age = now_ms - _id_key(first[0][0])[0]
+                    self.status[state.worker].lag_ms = max(age, 0.0)
+
+    # -- queries -------------------------------------------------------------------------------
+
+    def tokenize(self, text: str) -> list[int]:
+        ids: list[int] = self.tokenizer.encode(text, add_special_tokens=False).ids
+        return ids
+
+    def workers_report(self) -> list[dict[str, Any]]:
+        """Every followed worker: the core's view, the consumer's, and the sync loop's."""
+        out: list[dict[str, Any]] = []
+        per_worker = self.index.stats()["per_worker"]
+        states = self.consumer.workers()
+        for worker in sorted(states):
+            state = states[worker]
+            view = self.core.workers.get(worker)
+            status = self.status.get(worker, WorkerStatus())
+            entry: dict[str, Any] = (
+                view.as_dict()
+                if view is not None
+                else {"worker": worker, "url": state.info.get("url"), "state": "gone"}
+            )
+            if worker in self.incompatible:
+                entry["state"] = "incompatible"
+                entry["stale_reason"] = self.incompatible[worker]
+            tiers = per_worker.get(worker, {"gpu": 0, "host": 0})
+            entry.update(
+                alive=state.alive,
+                synced=state.synced,
+                epoch=state.epoch,
+                last_seq=state.last_seq,
+                lag_ms=round(status.lag_ms, 3),
+                heartbeat_age_s=status.heartbeat_age_s,
+                blocks={"gpu": tiers["gpu"], "host": tiers["host"]},
+                predicted_blocks=self.core.num_predicted(worker),
+            )
+            out.append(entry)
+        return out
+
+    def readiness(self) -> dict[str, Any]:
+        """Ready when Redis answers, the workers are known, at least one is up and fresh, and
+        every alive worker's stream has been caught up with (loaded from its snapshot)."""
+        states = self.consumer.workers()
+        catching_up = sorted(w for w, s in states.items() if s.alive and not s.synced)
+        stale = {w: v.stale_reason for w, v in self.core.workers.items() if v.stale_reason}
+        fresh = sorted(w for w, v in self.core.workers.items() if v.state == "up")
+        reasons: list[str] = []
+        if not self.redis_ok:
+            reasons.append("redis is not answering")
+        if not self.synced_once:
+            reasons.append("the worker registry has not been read yet")
+        if not fresh:
+            reasons.append("no worker is up with fresh data")
+        if catching_up:
+            reasons.append(f"catching up with {', '.join(catching_up)}")
+        return {
+            "ready": not reasons,
+            "reasons": reasons,
+            "workers_up": fresh,
+            "stale": stale,
+            "catching_up": catching_up,
+        }
+
+
+def _parse_load(raw: Any) -> dict[str, int]:
+    if not isinstance(raw, dict):
+        return {}
+    load: dict[str, int] = {}
+    for name, value in raw.items():
+        try:
+            load[name.decode() if isinstance(name, bytes) else str(name)] = int(value)
+        except (TypeError, ValueError):
+            continue
+    return load
+
+
+def _id_text(entry_id: bytes | str) -> str:
+    return entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+
+
+def _id_key(entry_id: bytes | str) -> tuple[int, int]:
+    ms, _, seq = _id_text(entry_id).partition("-")
+    return int(ms), int(seq or 0)
+
+
+def create_app(settings: RouterSettings) -> FastAPI:
+    from app.router.api import install
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
+        runtime = await RouterRuntime.start(settings)
+        app.state.runtime = runtime
+        try:
+            yield {"runtime": runtime}
+        finally:
+            await runtime.aclose()
+
+    app = FastAPI(
+        title="kvmesh router",
+        summary="Cache-aware, load-aware placement of LLM requests across kvmesh workers",
+        lifespan=lifespan,
+    )
+    install(app, settings)
+    return app
+
+
+def serve(settings: RouterSettings) -> None:
+    """Run the router until SIGTERM/SIGINT (blocking)."""
+    config = uvicorn.Config(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        loop="uvloop",
+        http="httptools",
+        log_level=settings.log_level.lower(),
+        access_log=False,
+        lifespan="on",
+        timeout_graceful_shutdown=5,
+    )
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per proxied request
+    _Server(config).run()
+
+
+class _Server(uvicorn.Server):
+    """uvicorn, exiting with status 0 on SIGTERM/SIGINT (it re-raises the signal otherwise)."""
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.should_exit:
+            self.force_exit = True
+        self.should_exit = True

@@ -1,0 +1,82 @@
+"""The router's settings: one pydantic-settings model, read from flags and ``KVMESH_`` variables.
+
+Every field is also a ``kvmesh router`` flag (``--load-weight`` for ``load_weight``; ``app.cli``
+builds the flags from this model), except the admin token (``KVMESH_ADMIN_TOKEN`` only, so that
+it never shows in a process list). A flag wins over the variable, the variable over the default.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+from pydantic_settings import SettingsConfigDict
+
+from app.router.policy import Weights
+from app.settings import Settings
+
+__all__ = ["PolicyName", "RouterSettings"]
+
+PolicyName = Literal["kv_aware", "round_robin", "random", "least_loaded", "dynamo", "sglang"]
+
+
+class RouterSettings(Settings):
+    """Settings of ``kvmesh router`` (plus the shared ``redis_url``, ``admin_token``, log level)."""
+
+    model_config = SettingsConfigDict(env_prefix="KVMESH_", extra="ignore", populate_by_name=True)
+
+    host: str = Field("127.0.0.1", description="address to listen on")
+    port: int = Field(8000, ge=0, le=65_535, description="port to listen on")
+    policy: PolicyName = Field("kv_aware", description="routing policy")
+    load_weight: float = Field(0.5, ge=0, description="kv_aware: weight of the queued prefill")
+    decode_weight: float = Field(
+        8.0, ge=0, description="kv_aware: prefill tokens one running sequence is worth"
+    )
+    host_hit_weight: float = Field(
+        0.25, ge=0, description="kv_aware: cost of a host-tier token as a fraction of recomputing"
+    )
+    temperature: float = Field(0.0, ge=0, description="0: lowest cost wins; > 0: softmax sampling")
+    dynamo_overlap_weight: float = Field(1.0, ge=0, description="dynamo: overlap_score_weight")
+    sglang_cache_threshold: float = Field(0.3, ge=0, le=1, description="sglang: cache_threshold")
+    sglang_balance_abs: int = Field(64, ge=0, description="sglang: balance_abs_threshold")
+    sglang_balance_rel: float = Field(1.5, ge=1, description="sglang: balance_rel_threshold")
+    seed: int = Field(0, ge=0, description="seed of random choices and tie-breaks")
+    predict_ttl_s: float = Field(
+        2.0, ge=0, description="seconds a decision's blocks count as cached before their events"
+    )
+    tokens_per_block: int | None = Field(
+        None, ge=1, description="block size to hash prompts with (default: the workers')"
+    )
+    tokenizer: str | None = Field(
+        None, description="a Hugging Face tokenizer.json for text prompts (token ids need none)"
+    )
+    load_interval_s: float = Field(0.1, gt=0, description="how often to read the workers' load")
+    sync_interval_s: float = Field(0.05, gt=0, description="how often to take the consumer's view")
+    max_lag_ms: float = Field(
+        2_000.0, gt=0, description="index older than this (stream entries unread) is stale"
+    )
+    step_budget_ms: float = Field(
+        10.0, gt=0, description="longest the consumer holds the event loop at a time"
+    )
+    proxy_timeout_s: float = Field(600.0, gt=0, description="limit on one proxied request")
+    connect_timeout_s: float = Field(2.0, gt=0, description="limit on connecting to a worker")
+    retry_after_s: int = Field(1, ge=0, description="Retry-After of a 503 when no worker is up")
+    max_body_bytes: int = Field(8 << 20, ge=1_024, description="largest request body accepted")
+    max_prompt_tokens: int = Field(1 << 20, ge=1, description="longest prompt accepted")
+
+    @model_validator(mode="after")
+    def _weights_valid(self) -> RouterSettings:
+        self.weights()  # raises ValueError naming the bad field
+        return self
+
+    def weights(self) -> Weights:
+        return Weights(
+            load=self.load_weight,
+            decode=self.decode_weight,
+            host_hit=self.host_hit_weight,
+            temperature=self.temperature,
+            dynamo_overlap_weight=self.dynamo_overlap_weight,
+            sglang_cache_threshold=self.sglang_cache_threshold,
+            sglang_balance_abs=self.sglang_balance_abs,
+            sglang_balance_rel=self.sglang_balance_rel,
+        )

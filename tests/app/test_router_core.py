@@ -1,0 +1,181 @@
+"""``RouterCore``: in-flight accounting, the predicted cache, hot spots, routers that agree."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from app.router.core import NoWorkerError, RouterCore
+from cache import (
+    EventDiff,
+    KVCacheEvent,
+    StoredBlock,
+    StoredData,
+    UpdatedData,
+    block_hashes_for_tokens,
+)
+from events.index import PrefixIndex
+
+TPB = 16
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_core(
+    num_workers: int = 4, *, index: PrefixIndex | None = None, **kwargs: object
+) -> tuple[RouterCore, Clock]:
+    clock = Clock()
+    core = RouterCore(
+        index if index is not None else PrefixIndex(),
+        tokens_per_block=TPB,
+        clock=clock,
+        **kwargs,  # type: ignore[arg-type]
+    )
+    for i in range(num_workers):
+        core.upsert_worker(f"w{i}", url=f"http://w{i}", capacity_blocks=10_000)
+        core.set_load(f"w{i}", {"free_blocks_0": 10_000, "used_blocks_0": 0})
+    return core, clock
+
+
+def store(index: PrefixIndex, worker: str, tokens: list[int], event_id: int = 1) -> list[int]:
+    """``worker`` stores the full blocks of ``tokens`` (as its manager's event would say)."""
+    hashes = block_hashes_for_tokens(tokens, TPB)
+    blocks = [StoredBlock(h, tuple(tokens[i * TPB : (i + 1) * TPB])) for i, h in enumerate(hashes)]
+    index.apply_event(worker, KVCacheEvent(event_id, StoredData(None, blocks), 1 << 20))
+    return hashes
+
+
+def route(core: RouterCore, request_id: str, tokens: list[int]) -> str:
+    hashes = core.hashes(tokens)
+    decision = core.decide(hashes, len(tokens))
+    core.begin(request_id, decision, hashes, len(tokens))
+    return decision.worker
+
+
+def test_in_flight_accounting_follows_a_request() -> None:
+    core, _ = make_core(2)
+    tokens = list(range(100))
+    hashes = core.hashes(tokens)
+    decision = core.decide(hashes, 100)
+    core.begin("r1", decision, hashes, 100)
+    view = core.workers[decision.worker]
+    assert (view.inflight_prefill_tokens, view.inflight_running, view.inflight_blocks) == (
+        100,
+        1,
+        7,
+    )
+    core.prefilled("r1")
+    assert (view.inflight_prefill_tokens, view.inflight_running) == (0, 1)
+    core.finish("r1")
+    core.finish("r1")  # twice: no effect
+    assert (view.inflight_prefill_tokens, view.inflight_running, view.inflight_blocks) == (0, 0, 0)
+    assert core.inflight == {}
+    with pytest.raises(ValueError, match="request_id: 'r2' is already in flight"):
+        core.begin("r2", decision, hashes, 100)
+        core.begin("r2", decision, hashes, 100)
+
+
+def test_the_predicted_cache_holds_a_burst_together_until_its_ttl() -> None:
+    core, clock = make_core(4, predict_ttl_s=2.0)
+    prefix = list(range(1_000, 1_512))  # a new 512-token prefix nobody holds
+    burst = [route(core, f"r{i}", [*prefix, *range(i * 32, i * 32 + 32)]) for i in range(8)]
+    # The first lands anywhere (a tie among idle workers); the rest follow it.
+    first = burst[0]
+    assert burst == [first] * 8
+    decision = core.decide(core.hashes([*prefix, 7]), 513)
+    cost = decision.cost_of(first)
+    assert cost.cached_tokens == 512
+    # Once the TTL passes without stored events, the prediction is gone.
+    clock.now += 2.5
+    decision = core.decide(core.hashes([*prefix, 7]), 513)
+    assert decision.cost_of(first).cached_tokens == 0
+    assert core.num_predicted(first) == 0
+
+
+def test_without_predictions_a_burst_scatters() -> None:
+    core, _ = make_core(4, predict_ttl_s=0.0)
+    prefix = list(range(1_000, 1_512))
+    burst = [route(core, f"r{i}", [*prefix, *range(i * 32, i * 32 + 32)]) for i in range(4)]
+    assert sorted(burst) == ["w0", "w1", "w2", "w3"]
+
+
+def test_one_system_prompt_for_everyone_still_spreads_over_every_worker() -> None:
+    """1,000 requests share their first 64 blocks, which one worker holds; each is in flight
+    until 16 more have been routed (then prefilled and finished)."""
+    index = PrefixIndex()
+    core, _ = make_core(4, index=index)
+    system = list(range(50_000, 51_024))
+    store(index, "w0", system)
+    placed: list[str] = []
+    for i in range(1_000):
+        placed.append(route(core, f"r{i}", [*system, *range(i * 256, i * 256 + 256)]))
+        if i >= 16:
+            core.finish(f"r{i - 16}")
+    counts = Counter(placed)
+    assert sorted(counts) == ["w0", "w1", "w2", "w3"]
+    assert min(counts.values()) >= 230, counts
+    assert max(counts.values()) <= 270, counts
+
+
+def test_two_cores_with_the_same_index_and_loads_choose_alike() -> None:
+    index = PrefixIndex()
+    store(index, "w1", list(range(64)))
+    store(index, "w2", list(range(64)), event_id=2)
+    a, _ = make_core(4, index=index, seed=5)
+    b, _ = make_core(4, index=index, seed=5)
+    for i in range(30):  # a alone has made decisions before (its history differs)
+        a.decide(a.hashes(list(range(i, i + 40))), 40)
+    prompts = [[*range(64), *range(1_000 + i, 1_032 + i)] for i in range(20)]
+    prompts += [list(range(5_000 + 100 * i, 5_000 + 100 * i + 70)) for i in range(20)]
+    choices_a = [a.decide(a.hashes(p), len(p)).worker for p in prompts]
+    choices_b = [b.decide(b.hashes(p), len(p)).worker for p in prompts]
+    assert choices_a == choices_b
+    assert set(choices_a[:20]) == {"w1", "w2"}  # the two holding the prefix share the ties
+    assert len(set(choices_a[20:])) == 4  # cold prompts: ties among all four, by request
+
+
+def test_draining_excluded_and_missing_workers_are_not_candidates() -> None:
+    core, _ = make_core(3)
+    core.upsert_worker("w1", url="http://w1", capacity_blocks=10_000, draining=True)
+    assert [c.worker for c in core.candidates([])] == ["w0", "w2"]
+    assert [c.worker for c in core.candidates([], exclude=["w0"])] == ["w2"]
+    core.remove_worker("w2")
+    with pytest.raises(NoWorkerError, match="no worker is left"):
+        core.decide([], 10, exclude=["w0"])
+    empty, _ = make_core(0)
+    with pytest.raises(NoWorkerError, match="no worker is up"):
+        empty.decide([], 10)
+
+
+def test_stale_workers_are_flagged_in_the_decision() -> None:
+    core, _ = make_core(1)
+    core.set_stale("w0", "resyncing")
+    decision = core.decide(core.hashes([1, 2, 3]), 3)
+    assert (decision.worker, decision.fresh) == ("w0", False)
+    assert core.workers["w0"].state == "stale"
+    core.set_stale("w0", None)
+    assert core.decide(core.hashes([1, 2, 3]), 3).fresh is True
+
+
+def test_host_tier_matches_and_salted_prompts() -> None:
+    index = PrefixIndex()
+    core, _ = make_core(2, index=index)
+    tokens = list(range(64))
+    hashes = store(index, "w0", tokens)
+    (w0,) = [c for c in core.candidates(hashes) if c.worker == "w0"]
+    assert (w0.matched_blocks, w0.host_blocks) == (4, 0)
+    # The last two blocks move to the host tier: still matched, counted as host blocks.
+    index.apply_event("w0", KVCacheEvent(2, UpdatedData(hashes[2], EventDiff(0, 1)), 1 << 20))
+    index.apply_event("w0", KVCacheEvent(3, UpdatedData(hashes[3], EventDiff(0, 1)), 1 << 20))
+    (w0,) = [c for c in core.candidates(hashes) if c.worker == "w0"]
+    assert (w0.matched_blocks, w0.host_blocks) == (4, 2)
+    salted = core.hashes(tokens, cache_salt="tenant-a")
+    assert salted != hashes
+    assert [c.matched_blocks for c in core.candidates(salted)] == [0, 0]

@@ -1,0 +1,245 @@
+"""Routing policies as tables: candidates in, the chosen worker and every cost out."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from app.router.policy import (
+    POLICIES,
+    Candidate,
+    PolicyState,
+    RouteRequest,
+    Weights,
+    choose,
+    dynamo,
+    kv_aware,
+    least_loaded,
+    round_robin,
+    sglang,
+)
+
+TPB = 16
+# Queued prefill at full weight, so that the tables read as token counts.
+W = Weights(load=1.0, decode=8.0)
+
+
+def req(num_tokens: int, key: int = 0) -> RouteRequest:
+    return RouteRequest(num_tokens, TPB, key)
+
+
+def cand(worker: str, **fields: int | bool) -> Candidate:
+    values: dict[str, int | bool] = {"free_blocks": 1_000, "capacity_blocks": 1_000}
+    values.update(fields)
+    return Candidate(worker, **values)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("candidates", "num_tokens", "weights", "worker", "costs"),
+    [
+        # Idle workers: the longest match wins; the last prompt token is always computed.
+        (
+            [cand("a", matched_blocks=2), cand("b", matched_blocks=8)],
+            128,
+            W,
+            "b",
+            {"a": 96.0, "b": 1.0},
+        ),
+        # Host-tier hits cost host_hit per token: 4 host blocks = 64 tokens * 0.25 = 16.
+        (
+            [cand("a", matched_blocks=4), cand("b", matched_blocks=8, host_blocks=4)],
+            129,
+            W,
+            "b",
+            {"a": 65.0, "b": 1.0 + 16.0},
+        ),
+        # Queued prefill ahead counts token for token (load 1): b's cache does not pay for it.
+        (
+            [cand("a"), cand("b", matched_blocks=4, queued_prefill_tokens=100)],
+            128,
+            W,
+            "a",
+            {"a": 128.0, "b": 64.0 + 100.0},
+        ),
+        # Running sequences: decode tokens each (8 by default).
+        (
+            [cand("a", running=3), cand("b", running=1)],
+            64,
+            W,
+            "b",
+            {"a": 64.0 + 24.0, "b": 64.0 + 8.0},
+        ),
+        # load weight 0: the cache alone decides.
+        (
+            [cand("a"), cand("b", matched_blocks=4, queued_prefill_tokens=100)],
+            128,
+            Weights(load=0.0),
+            "b",
+            {"a": 128.0, "b": 64.0},
+        ),
+        # A worker that cannot fit the request pays 4 prompts.
+        (
+            [cand("a", free_blocks=3), cand("b", queued_prefill_tokens=200)],
+            64,
+            W,
+            "b",
+            {"a": 64.0 + 256.0, "b": 264.0},
+        ),
+    ],
+)
+def test_kv_aware_costs(
+    candidates: list[Candidate],
+    num_tokens: int,
+    weights: Weights,
+    worker: str,
+    costs: dict[str, float],
+) -> None:
+    decision = kv_aware(req(num_tokens), candidates, weights, PolicyState())
+    assert decision.worker == worker
+    assert {c.worker: c.cost for c in decision.costs} == costs
+    assert decision.policy == "kv_aware"
+
+
+def test_kv_aware_reports_cached_tokens_and_freshness() -> None:
+    decision = kv_aware(
+        req(100),
+        [cand("a", matched_blocks=6, fresh=False), cand("b", matched_blocks=1)],
+        W,
+        PolicyState(),
+    )
+    assert (decision.worker, decision.expected_cached_tokens, decision.fresh) == ("a", 96, False)
+    assert [(c.worker, c.cached_tokens, c.prefill_tokens, c.fresh) for c in decision.costs] == [
+        ("a", 96, 4.0, False),
+        ("b", 16, 84.0, True),
+    ]
+
+
+def test_kv_aware_ties_go_to_the_lower_load_then_a_choice_seeded_by_the_request() -> None:
+    # Equal cost (64): a by its cache under load, b idle and cold. b has the lower load.
+    tied = [cand("a", matched_blocks=2, queued_prefill_tokens=32), cand("b", running=0)]
+    assert kv_aware(req(64), tied, W, PolicyState()).worker == "b"
+    # Equal cost and load: the choice depends on (seed, request key) only, not on history.
+    same = [cand("a"), cand("b"), cand("c")]
+    picks = [kv_aware(req(64, key), same, W, PolicyState(seed=0)).worker for key in range(60)]
+    again = [kv_aware(req(64, key), same, W, PolicyState(seed=0)).worker for key in range(60)]
+    assert picks == again
+    assert set(picks) == {"a", "b", "c"}
+    state = PolicyState(seed=0)
+    for _ in range(5):  # earlier decisions do not change the next tie-break
+        kv_aware(req(64, 99), same, W, state)
+    assert kv_aware(req(64, 7), same, W, state).worker == picks[7]
+
+
+def test_kv_aware_with_temperature_samples_by_softmax() -> None:
+    candidates = [cand("a", matched_blocks=4), cand("b")]
+    state = PolicyState(seed=3)
+    hot = Weights(temperature=1.0)
+    picks = [kv_aware(req(128), candidates, hot, state).worker for _ in range(2_000)]
+    # costs 64 and 128: scale = temperature * prompt = 128, weights 1 and e^-0.5 (p(a) 0.62)
+    rng = random.Random(3)
+    expected = [rng.choices("ab", weights=[1.0, math.exp(-0.5)])[0] for _ in range(2_000)]
+    assert "".join(picks) == "".join(expected)
+    assert 1_150 < picks.count("a") < 1_340
+    cold = [kv_aware(req(128), candidates, W, state).worker for _ in range(20)]
+    assert set(cold) == {"a"}
+
+
+def test_round_robin_cycles_and_ranks() -> None:
+    candidates = [cand("a"), cand("b"), cand("c")]
+    state = PolicyState()
+    decisions = [round_robin(req(32), candidates, W, state) for _ in range(4)]
+    assert [d.worker for d in decisions] == ["a", "b", "c", "a"]
+    assert [c.cost for c in decisions[1].costs] == [2.0, 0.0, 1.0]
+
+
+def test_least_loaded_ignores_the_cache() -> None:
+    candidates = [cand("a", matched_blocks=8, running=2), cand("b", running=1)]
+    decision = least_loaded(req(128), candidates, W, PolicyState())
+    assert decision.worker == "b"
+    assert [c.cost for c in decision.costs] == [16.0, 8.0]
+    assert decision.expected_cached_tokens == 0
+
+
+@pytest.mark.parametrize(
+    ("candidates", "num_tokens", "worker", "logits"),
+    [
+        # logit = overlap_weight * (uncached + queued) / bs + active blocks + request blocks
+        (
+            [cand("a", matched_blocks=6), cand("b", active_blocks=2)],
+            128,
+            "a",
+            {"a": 2.0 + 8.0, "b": 8.0 + 10.0},
+        ),
+        (
+            [cand("a", matched_blocks=6, active_blocks=20), cand("b")],
+            128,
+            "b",
+            {"a": 2.0 + 28.0, "b": 8.0 + 8.0},
+        ),
+        (
+            [cand("a", matched_blocks=6, queued_prefill_tokens=160), cand("b")],
+            128,
+            "b",
+            {"a": 12.0 + 8.0, "b": 16.0},
+        ),
+    ],
+)
+def test_dynamo_logits(
+    candidates: list[Candidate], num_tokens: int, worker: str, logits: dict[str, float]
+) -> None:
+    decision = dynamo(req(num_tokens), candidates, W, PolicyState())
+    assert decision.worker == worker
+    assert {c.worker: c.cost for c in decision.costs} == logits
+
+
+@pytest.mark.parametrize(
+    ("candidates", "worker", "why"),
+    [
+        # Balanced, best match 96/128 = 0.75 > 0.3: the longest match.
+        ([cand("a", matched_blocks=6), cand("b", matched_blocks=1)], "a", "match"),
+        # Balanced, best match 16/128 = 0.125 <= 0.3: the smallest tree.
+        (
+            [cand("a", matched_blocks=1, cached_blocks=50), cand("b", cached_blocks=10)],
+            "b",
+            "smallest tree",
+        ),
+        # Imbalanced (70 - 1 > 64 and 70 > 1.5): the idlest, whatever the cache.
+        ([cand("a", matched_blocks=8, running=70), cand("b", running=1)], "b", "balance"),
+        # 70 - 10 = 60 is not > 64: balanced, so the cache decides.
+        ([cand("a", matched_blocks=8, running=70), cand("b", running=10)], "a", "match"),
+    ],
+)
+def test_sglang_cache_aware(candidates: list[Candidate], worker: str, why: str) -> None:
+    assert sglang(req(128), candidates, W, PolicyState()).worker == worker, why
+
+
+def test_every_policy_is_registered_and_refuses_an_empty_list() -> None:
+    assert sorted(POLICIES) == [
+        "dynamo",
+        "kv_aware",
+        "least_loaded",
+        "random",
+        "round_robin",
+        "sglang",
+    ]
+    for name in POLICIES:
+        with pytest.raises(ValueError, match="no candidate workers"):
+            choose(name, req(16), [], W, PolicyState())
+    with pytest.raises(KeyError, match="policy: unknown 'nope'; known: kv_aware, round_robin"):
+        choose("nope", req(16), [cand("a")], W, PolicyState())
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"load": -1.0}, "load: must be a finite number >= 0, got -1.0"),
+        ({"temperature": float("inf")}, "temperature: must be a finite number >= 0, got inf"),
+        ({"sglang_cache_threshold": 1.5}, "sglang_cache_threshold: must be within 0..1"),
+    ],
+)
+def test_bad_weights_name_the_field(changes: dict[str, float], message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace(".", r"\.")):
+        W.updated(**changes)
+    assert W.updated(load=None, decode=2.0) == Weights(load=1.0, decode=2.0)
