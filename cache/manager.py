@@ -431,6 +431,103 @@ class KVCacheManager:
             wm.adjust_blocks_if_needed(sequence)
         self._flush_transfers()
 
+    def add_tokens(self, request_id: int, num_tokens: int) -> None:
+        """Grow the sequence by `num_tokens` tokens: what `add_token` called that often does
+        (the same blocks in the same order, the same events), in one step per block boundary.
+
+        Refused before any change: the error is the one the first failing `add_token` would
+        raise, but no token is added. Sliding-window sequences (blocks leave the window as
+        they grow) take the per-token path, after a dry run of the same checks."""
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        sequence = self._sequence(request_id)
+        if num_tokens == 0:
+            return
+        if any(wm.is_swa for wm in self.windows.values()):
+            self._check_tokens_swa(sequence, num_tokens)
+            for _ in range(num_tokens):
+                self.add_token(request_id)
+            return
+        tpb = self.tokens_per_block
+        start = sequence.num_tokens
+        end = start + num_tokens
+        # add_token allocates when the new count t has (t - 1) % tpb == 0.
+        first = start + (-start) % tpb + 1
+        num_new = 0 if first > end else (end - first) // tpb + 1
+        per_boundary = 1 if sequence.beam_width == 1 else sequence.beam_width
+        # (token count at which add_token would fail, window order, error): the first one wins.
+        failures: list[tuple[int, int, Exception]] = []
+        for order, (window, wm) in enumerate(self.windows.items()):
+            front = sequence.num_front_blocks_removed[window]
+            too_long = front * tpb + window + tpb  # would_leave_window from this count on
+            if too_long <= end:
+                failures.append(
+                    (
+                        too_long,
+                        order,
+                        ValueError(
+                            f"request {request_id}: {too_long} tokens exceed what window "
+                            f"{window} holds (max_sequence_length {self.max_sequence_length})"
+                        ),
+                    )
+                )
+            free = wm.get_num_free_blocks()
+            if num_new * per_boundary > free:
+                boundary = free // per_boundary  # boundaries that still fit
+                failures.append(
+                    (
+                        first + boundary * tpb,
+                        order,
+                        OutOfBlocksError(
+                            f"request {request_id} needs {num_new * per_boundary} new block(s) "
+                            f"in window {window} for {num_tokens} tokens, {free} free"
+                        ),
+                    )
+                )
+        if failures:
+            raise min(failures, key=lambda f: (f[0], f[1]))[2]
+        share = sequence.beam_width == 1
+        count = first
+        for _ in range(num_new):
+            sequence.num_tokens = count
+            for wm in self.windows.values():
+                wm.allocate_block(sequence, share_among_beams=share)
+            count += tpb
+        sequence.num_tokens = end
+        self._flush_transfers()
+
+    def _check_tokens_swa(self, sequence: GenerationRequest, num_tokens: int) -> None:
+        """Dry run of `num_tokens` add_token checks with sliding windows: a block that leaves
+        the window frees its slot when this sequence alone holds it (ref_count 1)."""
+        tpb = self.tokens_per_block
+        rid = sequence.request_id
+        per_boundary = 1 if sequence.beam_width == 1 else sequence.beam_width
+        fronts = dict(sequence.num_front_blocks_removed)
+        avail = {window: wm.get_num_free_blocks() for window, wm in self.windows.items()}
+        for count in range(sequence.num_tokens + 1, sequence.num_tokens + num_tokens + 1):
+            for window, wm in self.windows.items():
+                front = fronts[window]
+                if not wm.is_swa and count - front * tpb >= window + tpb:
+                    raise ValueError(
+                        f"request {rid}: {count} tokens exceed what window {window} holds "
+                        f"(max_sequence_length {self.max_sequence_length})"
+                    )
+                if (count - 1) % tpb:
+                    continue
+                blocks = wm.allocated_blocks_per_seq[rid]
+                while count - front * tpb >= window + tpb:
+                    # Past the blocks held now: one this dry run allocated, held by it alone.
+                    if front >= len(blocks) or blocks[front].ref_count == 1:
+                        avail[window] += 1
+                    front += 1
+                fronts[window] = front
+                if per_boundary > avail[window]:
+                    raise OutOfBlocksError(
+                        f"request {rid} needs {per_boundary} new block(s) in window {window} "
+                        f"at token {count}, {avail[window]} free"
+                    )
+                avail[window] -= per_boundary
+
     def _flush_transfers(self) -> None:
         """Issue the copies an operation queued before the caller can read the pools."""
         for wm in self.windows.values():
