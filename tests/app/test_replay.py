@@ -1,0 +1,393 @@
+"""kvmesh replay: trace parsing, token derivation, the cluster's hit ratios against a hand
+computation, decode coalescing against step-by-step simulation, and the CLI end to end."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from app.cli import main as cli_main
+from app.replay.cluster import POOLED, ClusterConfig, RunResult, run_policy
+from app.replay.report import format_table, summarise
+from app.replay.trace import (
+    TRACE_BLOCK_TOKENS,
+    TokenSource,
+    TraceError,
+    TraceRequest,
+    load_trace,
+    parse_trace,
+)
+from app.worker.backend import SimTiming
+
+DATA = Path(__file__).resolve().parents[1] / "data"
+SLICE = DATA / "mooncake_conversation_200.jsonl"
+TPB = 64
+NUM_WORKERS = 4
+BLOCKS_PER_WORKER = 20_000
+# Steps take no time: every request is done before the next arrives, even at equal timestamps.
+INSTANT = SimTiming(0.0, 0.0, 0.0)
+
+
+@pytest.fixture(scope="module")
+def trace() -> list[TraceRequest]:
+    return load_trace(SLICE)
+
+
+@pytest.fixture(scope="module")
+def tokens() -> TokenSource:
+    return TokenSource(seed=0)
+
+
+def sequential(num_workers: int = NUM_WORKERS) -> ClusterConfig:
+    return ClusterConfig(
+        num_workers=num_workers,
+        blocks_per_worker=BLOCKS_PER_WORKER,
+        tokens_per_block=TPB,
+        timing=INSTANT,
+    )
+
+
+# -- the trace ---------------------------------------------------------------------------------
+
+
+def test_slice_is_the_first_200_requests(trace: list[TraceRequest]) -> None:
+    assert len(trace) == 200
+    assert trace[0] == TraceRequest(0, 0, 6758, 500, tuple(range(14)))
+    assert [r.index for r in trace] == list(range(200))
+    assert trace[-1].timestamp_ms == 72_000
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("not json", "t:2: not JSON"),
+        ("[1, 2]", "t:2: expected a JSON object, got list"),
+        ('{"input_length": 5, "output_length": 1, "hash_ids": [1]}', "t:2: field 'timestamp'"),
+        (
+            '{"timestamp": "5", "input_length": 5, "output_length": 1, "hash_ids": [1]}',
+            "t:2: field 'timestamp' must be an integer, got '5'",
+        ),
+        (
+            '{"timestamp": 5, "input_length": 0, "output_length": 1, "hash_ids": [1]}',
+            "t:2: field 'input_length' must be >= 1, got 0",
+        ),
+        (
+            '{"timestamp": 5, "input_length": 5, "output_length": 1.5, "hash_ids": [1]}',
+            "t:2: field 'output_length' must be an integer, got 1.5",
+        ),
+        (
+            '{"timestamp": 5, "input_length": 5, "output_length": 1, "hash_ids": []}',
+            "t:2: field 'hash_ids' must be a non-empty list",
+        ),
+        (
+            '{"timestamp": 5, "input_length": 5, "output_length": 1, "hash_ids": [1, -2]}',
+            "t:2: field 'hash_ids'[1] must be an integer >= 0, got -2",
+        ),
+        (
+            '{"timestamp": 5, "input_length": 513, "output_length": 1, "hash_ids": [1]}',
+            "t:2: field 'input_length' 513 does not fit 1 hash_ids of 512 tokens (must be in "
+            "1..512)",
+        ),
+        (
+            '{"timestamp": 1, "input_length": 5, "output_length": 1, "hash_ids": [1]}',
+            "t:2: field 'timestamp' 1 goes back in time (previous 7)",
+        ),
+    ],
+)
+def test_bad_lines_name_the_line_and_field(line: str, message: str) -> None:
+    good = '{"timestamp": 7, "input_length": 5, "output_length": 1, "hash_ids": [1]}'
+    with pytest.raises(TraceError) as info:
+        parse_trace([good, line], source="t")
+    assert str(info.value).startswith(message)
+
+
+def test_float_integers_blank_lines_and_limit() -> None:
+    lines = [
+        '{"timestamp": 0.0, "input_length": 600, "output_length": 2, "hash_ids": [3, 4]}',
+        "   ",
+        '{"timestamp": 10, "input_length": 1, "output_length": 1, "hash_ids": [9]}',
+        "garbage that the limit never reads",
+    ]
+    assert parse_trace(lines, limit=2) == [
+        TraceRequest(0, 0, 600, 2, (3, 4)),
+        TraceRequest(1, 10, 1, 1, (9,)),
+    ]
+
+
+def test_missing_and_empty_files(tmp_path: Path) -> None:
+    with pytest.raises(TraceError, match="cannot read the trace"):
+        load_trace(tmp_path / "absent.jsonl")
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(TraceError, match="the trace has no requests"):
+        load_trace(tmp_path / "empty.jsonl")
+
+
+# -- tokens ------------------------------------------------------------------------------------
+
+
+def test_equal_ids_give_equal_tokens() -> None:
+    source = TokenSource(seed=0)
+    a = TraceRequest(0, 0, 2 * TRACE_BLOCK_TOKENS + 100, 1, (7, 8, 9))
+    b = TraceRequest(1, 0, 3 * TRACE_BLOCK_TOKENS, 1, (7, 8, 9))
+    c = TraceRequest(2, 0, 2 * TRACE_BLOCK_TOKENS, 1, (7, 5))
+    ta, tb, tc = source.tokens(a), source.tokens(b), source.tokens(c)
+    assert ta.dtype == np.uint32
+    assert len(ta) == a.input_length
+    assert len(tb) == b.input_length
+    # a's partial last block is a prefix of the same id's full block in b
+    assert np.array_equal(ta, tb[: len(ta)])
+    assert np.array_equal(tc[:TRACE_BLOCK_TOKENS], tb[:TRACE_BLOCK_TOKENS])
+    assert not np.array_equal(tc[TRACE_BLOCK_TOKENS:], tb[TRACE_BLOCK_TOKENS : 2 * 512])
+    # the same in a fresh source (no state but the seed), different with another seed
+    assert np.array_equal(TokenSource(seed=0).tokens(b), tb)
+    assert not np.array_equal(TokenSource(seed=1).tokens(b), tb)
+    assert source.token_list(a) == ta.tolist()
+    assert len(source) == 4  # one cached array per id
+    assert source.block(8) is source.block(8)
+    assert int(tb.max()) < source.vocab_size
+
+
+# -- hit ratios against a hand computation -------------------------------------------------------
+
+
+Key = tuple[tuple[int, ...], int, int]
+
+
+def keys_of(request: TraceRequest) -> list[Key]:
+    """The blocks add_sequence matches, as (trace-id prefix, cache block index, tokens): the
+    first input_length - 1 tokens (the last one is always computed) in blocks of TPB, the tail
+    partial. A block's tokens are fixed by the trace ids up to the trace block it lies in, so
+    a partial last trace block shares its whole cache blocks with a longer one."""
+    usable = request.input_length - 1
+    out = []
+    for c in range(-(-usable // TPB)):
+        trace_block = c * TPB // TRACE_BLOCK_TOKENS
+        out.append((request.hash_ids[: trace_block + 1], c, min(TPB, usable - c * TPB)))
+    return out
+
+
+def hand_reused(trace: list[TraceRequest], worker_of: list[int]) -> list[int]:
+    """Tokens each request reuses when each runs alone on its worker and nothing is evicted:
+    its leading blocks that an earlier request on that worker stored (whole blocks only; a
+    partial block matches an equal partial block)."""
+    stored: dict[int, set[Key]] = {}
+    reused = []
+    for request, worker in zip(trace, worker_of, strict=True):
+        seen = stored.setdefault(worker, set())
+        total = 0
+        for key in keys_of(request):
+            if key not in seen:
+                break
+            total += key[2]
+        reused.append(total)
+        seen.update(keys_of(request))
+    return reused
+
+
+def check_hits(result: RunResult, trace: list[TraceRequest], worker_of: list[int]) -> float:
+    expected = hand_reused(trace, worker_of)
+    assert [r.worker for r in result.requests] == worker_of
+    assert [r.reused_tokens for r in result.requests] == expected
+    figures = summarise(result)
+    prompt = sum(r.input_length for r in trace)
+    assert figures["hit_ratio"] == sum(expected) / prompt
+    assert figures["failed"] == 0
+    assert figures["completed"] == len(trace)
+    ratio: float = figures["hit_ratio"]
+    return ratio
+
+
+def test_hit_ratios_match_the_hand_computation(
+    trace: list[TraceRequest], tokens: TokenSource
+) -> None:
+    # Nothing is evicted: the most any worker must hold is below its capacity.
+    blocks = [-(-(r.input_length + r.output_length) // TPB) for r in trace]
+    assert sum(blocks) < BLOCKS_PER_WORKER * NUM_WORKERS
+    for w in range(NUM_WORKERS):
+        assert sum(blocks[w::NUM_WORKERS]) < BLOCKS_PER_WORKER
+
+    rr = run_policy(trace, "round_robin", sequential(), tokens)
+    rr_ratio = check_hits(rr, trace, [i % NUM_WORKERS for i in range(len(trace))])
+    pooled = run_policy(trace, POOLED, sequential(), tokens)
+    pooled_ratio = check_hits(pooled, trace, [0] * len(trace))
+    # The figures themselves, so that a change in the trace or the rules shows.
+    assert round(rr_ratio, 6) == 0.043063
+    assert round(pooled_ratio, 6) == 0.059257
+    assert pooled.config.num_workers == 1
+    assert pooled.config.blocks_per_worker == NUM_WORKERS * BLOCKS_PER_WORKER
+
+
+def test_a_request_that_never_fits_fails(tokens: TokenSource) -> None:
+    trace = [
+        TraceRequest(0, 0, 1000, 10, (1, 2)),
+        TraceRequest(1, 0, 5000, 10, tuple(range(3, 13))),  # 79 blocks to completion
+        TraceRequest(2, 0, 1000, 10, (1, 2)),
+    ]
+    config = ClusterConfig(num_workers=1, blocks_per_worker=40, tokens_per_block=TPB)
+    result = run_policy(trace, "round_robin", config, tokens)
+    assert [r.failed for r in result.requests] == [False, True, False]
+    figures = summarise(result)
+    assert figures["failed"] == 1
+    assert figures["completed"] == 2
+    assert figures["hit_ratio"] == (999 // TPB * TPB + 999 % TPB) / 2000
+
+
+# -- the virtual clock -------------------------------------------------------------------------
+
+
+def test_timing_of_one_request_alone(tokens: TokenSource) -> None:
+    timing = SimTiming(0.01, 1e-4, 1e-3)
+    config = ClusterConfig(
+        num_workers=1,
+        blocks_per_worker=1_000,
+        tokens_per_block=TPB,
+        timing=timing,
+        max_tokens_per_step=1_024,
+    )
+    trace = [TraceRequest(0, 2_000, 2_500, 40, (1, 2, 3, 4, 5))]
+    (record,) = run_policy(trace, "round_robin", config, tokens).requests
+    assert record.arrival_s == 2.0
+    # 2,500 tokens in chunks of 1,024, 1,024, 452; then 39 decode steps of one sequence
+    prefill = 3 * 0.01 + 2_500 * 1e-4
+    assert record.first_token_s == pytest.approx(2.0 + prefill)
+    assert record.finished_s == pytest.approx(2.0 + prefill + 39 * (0.01 + 1e-3))
+
+
+def test_decode_coalescing_changes_nothing(trace: list[TraceRequest], tokens: TokenSource) -> None:
+    """Coalesced decode runs (cut when a request arrives) against every step simulated."""
+    config = ClusterConfig(
+        num_workers=2,
+        blocks_per_worker=6_000,
+        tokens_per_block=TPB,
+        speed=2.0,  # busy enough that arrivals cut decode runs and queues form
+    )
+    part = trace[:60]
+    fast = run_policy(part, "round_robin", config, tokens)
+    slow = run_policy(part, "round_robin", replace(config, coalesce_decode=False), tokens)
+    assert fast.num_steps == slow.num_steps
+    assert len(fast.prefill_steps) == len(slow.prefill_steps)
+    for a, b in zip(fast.requests, slow.requests, strict=True):
+        assert (a.worker, a.reused_tokens) == (b.worker, b.reused_tokens)
+        assert a.first_token_s == pytest.approx(b.first_token_s, rel=1e-9)
+        assert a.finished_s == pytest.approx(b.finished_s, rel=1e-9)
+    queued = [r for r in fast.requests if r.first_token_s - r.arrival_s > 1.0]
+    assert queued  # the case is not trivial
+
+
+# -- the CLI -----------------------------------------------------------------------------------
+
+
+def test_cli_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = cli_main(
+        [
+            "replay",
+            "--trace",
+            str(SLICE),
+            "--limit",
+            "40",
+            "--workers",
+            "2",
+            "--blocks-per-worker",
+            "8000",
+            "--tokens-per-block",
+            "64",
+            "--policy",
+            "kv_aware",
+            "--policy",
+            "round_robin",
+            "--policy",
+            "pooled",
+            "--speed",
+            "4",
+            "--jobs",
+            "1",
+            "--plot",
+            str(tmp_path / "plots"),
+            "--json",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert code == 0
+    lines = out.strip().splitlines()
+    assert lines[1].split()[:3] == ["policy", "hit", "ttft"]
+    assert [line.split()[0] for line in lines[2:5]] == ["kv_aware", "round_robin", "pooled"]
+    result = json.loads(lines[-1])
+    assert list(result) == ["policies"]
+    assert list(result["policies"]) == ["kv_aware", "round_robin", "pooled"]
+    for figures in result["policies"].values():
+        assert figures["requests"] == 40
+        assert figures["completed"] == 40
+        for key in ("hit_ratio", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "e2e_p50_s"):
+            assert math.isfinite(figures[key])
+        assert figures["ttft_p50_s"] <= figures["ttft_p90_s"] <= figures["ttft_p99_s"]
+        assert figures["load_imbalance"] >= 1.0
+    assert result["policies"]["pooled"]["load_imbalance"] == 1.0
+    pngs = sorted(p.name for p in (tmp_path / "plots").iterdir())
+    assert pngs == [
+        "hit_ratio.png",
+        "prefill_load_kv_aware.png",
+        "prefill_load_pooled.png",
+        "prefill_load_round_robin.png",
+        "ttft_cdf.png",
+    ]
+    assert all((tmp_path / "plots" / p).read_bytes()[:4] == b"\x89PNG" for p in pngs)
+
+
+def test_cli_bad_trace_is_exit_2_without_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(
+        '{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [1]}\n'
+        '{"timestamp": 1, "input_length": 5, "output_length": 1}\n'
+    )
+    assert cli_main(["replay", "--trace", str(bad)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == f"kvmesh replay: error: {bad}:2: field 'hash_ids' is missing\n"
+
+
+def test_cli_bad_flag_values(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv in (
+        ["--speed", "0"],
+        ["--policy", "nope"],
+        ["--weight", "nope=1"],
+        ["--max-tokens-per-step", "-3"],
+    ):
+        with pytest.raises(SystemExit) as info:
+            cli_main(["replay", "--trace", str(SLICE), *argv])
+        assert info.value.code == 2
+    assert "Traceback" not in capsys.readouterr().err
+    # accepted by the parser, refused by the configuration
+    assert cli_main(["replay", "--trace", str(SLICE), "--max-tokens-per-step", "8"]) == 2
+    assert "max_tokens_per_step: must be >= tokens_per_block (64), got 8" in (
+        capsys.readouterr().err
+    )
+
+
+def test_table_formats_every_policy() -> None:
+    figures = {
+        "hit_ratio": 0.5,
+        "ttft_p50_s": 0.1,
+        "ttft_p90_s": 0.2,
+        "ttft_p99_s": 0.3,
+        "e2e_p50_s": 1.0,
+        "e2e_p99_s": 2.0,
+        "load_imbalance": 1.25,
+        "requests_per_s": 3.0,
+        "tokens_per_s": 12_345.0,
+        "requests": 10,
+        "failed": 0,
+        "wall_s": 1.5,
+    }
+    table = format_table({"kv_aware": figures, "round_robin": figures}).splitlines()
+    assert table[1].split() == [
+        "kv_aware", "0.500", "0.100", "0.200", "0.300", "1.00", "2.00", "1.25", "3.00",
+        "12,345", "10", "0", "1.5",
+    ]  # fmt: skip
+    assert len({len(line) for line in table}) == 1
