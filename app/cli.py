@@ -22,14 +22,10 @@ from typing import Any
 from app.bench import BENCHMARKS, load_benchmark
 from app.settings import Settings
 
-if typing.TYPE_CHECKING:
-    from app.worker.settings import WorkerSettings
-
 __all__ = ["build_parser", "main"]
 
 Handler = Callable[[argparse.Namespace], int]
-
-ROUTING_POLICIES = ("kv_aware", "round_robin", "random", "least_loaded")
+S = typing.TypeVar("S", bound=Settings)
 
 
 def _package_version() -> str:
@@ -117,26 +113,24 @@ def build_parser() -> argparse.ArgumentParser:
     _add_settings_flags(worker, WorkerSettings)
     worker.set_defaults(handler=_cmd_worker)
 
-    router = sub.add_parser("router", help="the cache-aware router")
-    _add_service_flags(router, default_port=8000)
-    router.add_argument("--policy", choices=ROUTING_POLICIES, default="kv_aware")
-    router.add_argument(
-        "--workers",
-        default=None,
-        help="comma-separated ID=URL pairs (default: discover workers from Redis)",
-    )
-    router.set_defaults(handler=_not_implemented)
+    router = sub.add_parser("router", help="the cache-aware router (workers found in Redis)")
+    _add_redis_flag(router)
+    from app.router.settings import RouterSettings
+
+    _add_settings_flags(router, RouterSettings)
+    router.set_defaults(handler=_cmd_router)
 
     dashboard = sub.add_parser("dashboard", help="a live web dashboard of KV events")
     _add_service_flags(dashboard, default_port=8080)
     dashboard.set_defaults(handler=_not_implemented)
 
-    replay = sub.add_parser("replay", help="replay a request trace through a simulated cluster")
-    replay.add_argument("trace", help="trace file (Mooncake .jsonl or Azure .csv)")
-    replay.add_argument("--num-workers", type=int, default=4)
-    replay.add_argument("--policy", choices=ROUTING_POLICIES, default="kv_aware")
-    replay.add_argument("--out", default=None, help="directory for the report and plots")
-    replay.set_defaults(handler=_not_implemented)
+    replay = sub.add_parser(
+        "replay", help="replay a Mooncake trace through an in-process cluster, per policy"
+    )
+    from app.replay.cli import add_arguments as add_replay_arguments
+
+    add_replay_arguments(replay)
+    replay.set_defaults(handler=_cmd_replay)
 
     bench = sub.add_parser("bench", help="run a benchmark")
     bench.add_argument("name", choices=sorted(BENCHMARKS), help="which benchmark")
@@ -182,34 +176,58 @@ def _not_implemented(args: argparse.Namespace) -> int:
     return 1
 
 
+def _cmd_replay(args: argparse.Namespace) -> int:
+    from app.replay.cli import main as replay_main
+
+    return replay_main(args)
+
+
 # -- worker --------------------------------------------------------------------------------
 
 
 def _cmd_worker(args: argparse.Namespace) -> int:
+    from app.worker.service import serve
+    from app.worker.settings import WorkerSettings
+
+    return _run_service(args, WorkerSettings, serve)
+
+
+def _cmd_router(args: argparse.Namespace) -> int:
+    from app.router.service import serve
+    from app.router.settings import RouterSettings
+
+    return _run_service(args, RouterSettings, serve)
+
+
+def _run_service(args: argparse.Namespace, model: type[S], serve: Callable[[S], None]) -> int:
+    """Build the service's settings (a bad one: one line naming it, exit 2), then serve."""
     from pydantic import ValidationError
 
-    from app.worker.service import serve
-
     try:
-        settings = _worker_settings(args)
+        settings = _service_settings(args, model)
     except ValidationError as exc:
         for error in exc.errors():
-            print(f"kvmesh worker: {_setting_error(error)}", file=sys.stderr)
+            print(f"kvmesh {args.command}: {_setting_error(error)}", file=sys.stderr)
+        return 2
+    if settings.redis_url is None and args.command == "router":
+        print(
+            "kvmesh router: --redis-url (REDIS_URL): the router reads the workers' streams; "
+            "give the Redis they publish to",
+            file=sys.stderr,
+        )
         return 2
     serve(settings)
     return 0
 
 
-def _worker_settings(args: argparse.Namespace) -> WorkerSettings:
+def _service_settings(args: argparse.Namespace, model: type[S]) -> S:
     """Flags given on the command line, over ``KVMESH_`` variables, over the defaults."""
-    from app.worker.settings import WorkerSettings
-
     given = {
         name: getattr(args, name)
-        for name in WorkerSettings.model_fields
+        for name in model.model_fields
         if getattr(args, name, None) is not None
     }
-    return WorkerSettings(**given)
+    return model(**given)
 
 
 def _setting_error(error: Any) -> str:

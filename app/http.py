@@ -85,7 +85,8 @@ def install_error_handlers(app: FastAPI) -> None:
         first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
         loc = [str(part) for part in first.get("loc", ()) if part not in ("body", "query", "path")]
         param = ".".join(loc) or None
-        message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
+        text = str(first.get("msg")).removeprefix("Value error, ")  # pydantic's, for validators
+        message = f"{param}: {text}" if param else text
         return error(400, message, "invalid_request_error", param)
 
     @app.exception_handler(HTTPException)

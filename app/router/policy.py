@@ -66,7 +66,7 @@ _MEMORY_PENALTY_PROMPTS: Final = 4.0
 class Weights:
     """Tunable terms of the cost-based policies (``kv_aware``; ``dynamo`` reads its own two)."""
 
-    load: float = 0.5  # how much the prefill queued ahead weighs against the request's own
+    load: float = 0.1  # how much the prefill queued ahead weighs against the request's own
     decode: float = 8.0  # prefill tokens one running sequence is worth (its share of each step)
     host_hit: float = 0.25  # cost of onboarding a host-tier token, as a fraction of recomputing
     temperature: float = 0.0  # 0: lowest cost wins; > 0: softmax sampling

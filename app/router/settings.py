@@ -28,7 +28,7 @@ class RouterSettings(Settings):
     host: str = Field("127.0.0.1", description="address to listen on")
     port: int = Field(8000, ge=0, le=65_535, description="port to listen on")
     policy: PolicyName = Field("kv_aware", description="routing policy")
-    load_weight: float = Field(0.5, ge=0, description="kv_aware: weight of the queued prefill")
+    load_weight: float = Field(0.1, ge=0, description="kv_aware: weight of the queued prefill")
     decode_weight: float = Field(
         8.0, ge=0, description="kv_aware: prefill tokens one running sequence is worth"
     )

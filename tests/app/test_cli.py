@@ -52,9 +52,7 @@ def test_bad_usage_prints_usage_and_exits_2(
 @pytest.mark.parametrize(
     "argv",
     [
-        ["router", "--port", "8000"],
         ["dashboard"],
-        ["replay", "trace.jsonl"],
     ],
 )
 def test_unwritten_services_say_so_and_exit_1(
@@ -108,12 +106,13 @@ def test_bad_worker_settings_fail_with_one_line_naming_the_setting(
 
 
 def test_worker_flags_win_over_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    from app.cli import _worker_settings
+    from app.cli import _service_settings
+    from app.worker.settings import WorkerSettings
 
     monkeypatch.setenv("KVMESH_MAX_BATCH_SIZE", "7")
     monkeypatch.setenv("KVMESH_WORKER_ID", "from-env")
     args = build_parser().parse_args(["worker", "--max-batch-size", "9", "--no-allocate-pools"])
-    settings = _worker_settings(args)
+    settings = _service_settings(args, WorkerSettings)
     assert (settings.worker_id, settings.max_batch_size, settings.allocate_pools) == (
         "from-env",
         9,

@@ -1,0 +1,54 @@
+"""Helpers for the router tests: settings, an in-process router behind httpx, waiting on it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import httpx
+
+from app.router.service import RouterRuntime, create_app
+from app.router.settings import RouterSettings
+from tests.app.worker_support import ADMIN_TOKEN
+
+
+def router_settings(redis_url: str, **overrides: Any) -> RouterSettings:
+    values: dict[str, Any] = {
+        "redis_url": redis_url,
+        "admin_token": ADMIN_TOKEN,
+        "sync_interval_s": 0.02,
+        "load_interval_s": 0.05,
+    }
+    values.update(overrides)
+    return RouterSettings(**values)
+
+
+@contextlib.asynccontextmanager
+async def router_client(
+    settings: RouterSettings,
+) -> AsyncIterator[tuple[httpx.AsyncClient, RouterRuntime]]:
+    """The router app inside its lifespan, spoken to through httpx's ASGITransport."""
+    app = create_app(settings)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://router") as client:
+            yield client, app.state.runtime
+
+
+async def eventually(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"still false after {timeout_s} s")
+        await asyncio.sleep(0.01)
+
+
+def index_holds(runtime: RouterRuntime, worker: str, num_blocks: int) -> Callable[[], bool]:
+    def check() -> bool:
+        per_worker = runtime.index.stats()["per_worker"]
+        return per_worker.get(worker, {}).get("blocks", 0) == num_blocks
+
+    return check

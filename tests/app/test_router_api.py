@@ -1,0 +1,242 @@
+"""The router's HTTP API in-process, against a private Redis and two in-process workers that
+publish real events: decisions, explanations, policies, errors, metrics, agreeing routers."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from app.router.service import RouterRuntime
+from tests.app.router_support import eventually, router_client, router_settings
+from tests.app.worker_support import AUTH, worker_client, worker_settings
+
+PROMPT = list(range(100, 200))  # 100 tokens: 6 full blocks of 16
+
+
+@contextlib.asynccontextmanager
+async def cluster(
+    redis_url: str, **router_overrides: Any
+) -> AsyncIterator[tuple[httpx.AsyncClient, RouterRuntime, list[httpx.AsyncClient]]]:
+    """Two workers (w0, w1) and a router, all in-process; w0 has served PROMPT once."""
+    async with (
+        worker_client(worker_settings(redis_url, worker_id="w0")) as (w0, _),
+        worker_client(worker_settings(redis_url, worker_id="w1")) as (w1, _),
+        router_client(router_settings(redis_url, **router_overrides)) as (router, runtime),
+    ):
+        response = await w0.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 1})
+        assert response.status_code == 200
+        await eventually(lambda: _blocks(runtime, "w0") >= 6 and "w1" in runtime.core.workers)
+        await eventually(lambda: runtime.readiness()["ready"])
+        yield router, runtime, [w0, w1]
+
+
+def _blocks(runtime: RouterRuntime, worker: str) -> int:
+    blocks: int = runtime.index.stats()["per_worker"].get(worker, {}).get("blocks", 0)
+    return blocks
+
+
+async def test_route_picks_the_worker_holding_the_prefix(clean_redis_url: str) -> None:
+    async with cluster(clean_redis_url) as (router, runtime, _):
+        response = await router.post("/route", json={"prompt_token_ids": PROMPT})
+        assert response.status_code == 200
+        body = response.json()
+        assert (body["worker"], body["expected_cached_tokens"], body["fresh"]) == ("w0", 96, True)
+        assert (body["policy"], body["num_tokens"], body["num_blocks"]) == ("kv_aware", 100, 6)
+        assert body["url"] == runtime.core.workers["w0"].url
+        assert [(c["worker"], c["cost"], c["cached_tokens"]) for c in body["costs"]] == [
+            ("w0", 4.0, 96),
+            ("w1", 100.0, 0),
+        ]
+        # /route decides only: nothing is counted in flight, nothing predicted.
+        assert runtime.core.inflight == {}
+        assert runtime.core.num_predicted("w0") == 0
+
+        explained = (await router.post("/route/explain", json={"prompt": PROMPT})).json()
+        workers = {w["worker"]: w for w in explained["workers"]}
+        assert {k: workers["w0"][k] for k in ("matched_blocks", "index_blocks", "gpu_blocks")} == {
+            "matched_blocks": 6,
+            "index_blocks": 6,
+            "gpu_blocks": 6,
+        }
+        assert (workers["w0"]["host_blocks"], workers["w0"]["predicted_blocks"]) == (0, 0)
+        assert (workers["w1"]["matched_blocks"], workers["w1"]["state"]) == (0, "up")
+        assert workers["w1"]["free_blocks"] == 256
+        same = (await router.post("/route?explain=true", json={"prompt": PROMPT})).json()
+        assert [w["worker"] for w in same["workers"]] == ["w0", "w1"]
+
+        # A salted or LoRA prompt lives in another namespace: nobody holds it.
+        for extra in ({"cache_salt": "tenant-a"}, {"lora_task_id": 7}):
+            salted = (await router.post("/route", json={"prompt": PROMPT, **extra})).json()
+            assert [c["cached_tokens"] for c in salted["costs"]] == [0, 0]
+
+
+async def test_policy_per_request_and_per_router(clean_redis_url: str) -> None:
+    async with cluster(clean_redis_url) as (router, runtime, _):
+        body = {"prompt": PROMPT, "routing": {"weights": {"load": 0.0}, "policy": "least_loaded"}}
+        decision = (await router.post("/route", json=body)).json()
+        assert decision["policy"] == "least_loaded"
+        assert decision["expected_cached_tokens"] == 0 or decision["worker"] == "w0"
+
+        update = {"policy": "round_robin", "weights": {"decode": 2.0}}
+        assert (await router.put("/policy", json=update)).status_code == 401
+        wrong = {"Authorization": "Bearer nope"}
+        assert (await router.put("/policy", json=update, headers=wrong)).status_code == 403
+        response = await router.put("/policy", json=update, headers=AUTH)
+        assert response.status_code == 200
+        assert response.json()["policy"] == "round_robin"
+        assert response.json()["weights"]["decode"] == 2.0
+        assert response.json()["weights"]["load"] == 0.1
+        assert (await router.get("/policy")).json() == response.json()
+        workers = [
+            (await router.post("/route", json={"prompt": PROMPT})).json()["worker"]
+            for _ in range(4)
+        ]
+        assert workers == ["w0", "w1", "w0", "w1"]
+        bad = await router.put("/policy", json={"policy": "nope"}, headers=AUTH)
+        assert bad.status_code == 400
+        assert bad.json()["error"]["param"] == "policy"
+        assert runtime.core.policy == "round_robin"
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "message"),
+    [
+        ({}, None, "give exactly one of prompt_token_ids and prompt"),
+        (
+            {"prompt": [1], "prompt_token_ids": [1]},
+            None,
+            "give exactly one of prompt_token_ids and prompt",
+        ),
+        ({"prompt": []}, "prompt", "prompt: must hold at least one token"),
+        ({"prompt": [1, -2]}, "prompt", "prompt: token ids must be within 0..2**32-1"),
+        (
+            {"prompt": "hello"},
+            "prompt",
+            "prompt: text prompts need the router's tokenizer (--tokenizer); "
+            "send token ids instead",
+        ),
+        (
+            {"prompt": [1], "routing": {"policy": "fastest"}},
+            "routing.policy",
+            None,
+        ),
+        (
+            {"prompt": [1], "routing": {"weights": {"load": -1}}},
+            "routing.weights.load",
+            None,
+        ),
+        ({"prompt": [1], "lora_task_id": -1}, "lora_task_id", None),
+        ({"prompt": [1], "surprise": 1}, "surprise", None),
+    ],
+)
+async def test_bad_route_requests_get_400_naming_the_field(
+    clean_redis_url: str, body: dict[str, Any], param: str | None, message: str | None
+) -> None:
+    async with router_client(router_settings(clean_redis_url)) as (router, _):
+        response = await router.post("/route", json=body)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == param
+        assert error["type"] == "invalid_request_error"
+        if message is not None:
+            assert error["message"] == message
+
+
+async def test_no_worker_is_a_503_with_retry_after(clean_redis_url: str) -> None:
+    async with router_client(router_settings(clean_redis_url, retry_after_s=3)) as (
+        router,
+        runtime,
+    ):
+        await eventually(lambda: runtime.synced_once and runtime.redis_ok)
+        for path, body in (
+            ("/route", {"prompt": [1, 2]}),
+            ("/v1/completions", {"prompt": [1, 2], "max_tokens": 1}),
+        ):
+            response = await router.post(path, json=body)
+            assert response.status_code == 503
+            assert response.headers["retry-after"] == "3"
+            assert response.json()["error"]["message"] == "no worker is up"
+        ready = await router.get("/ready")
+        assert ready.status_code == 503
+        assert ready.json()["reasons"] == ["no worker is up with fresh data"]
+        assert (await router.get("/health")).json() == {"status": "ok"}
+
+
+async def test_a_large_body_is_refused(clean_redis_url: str) -> None:
+    async with router_client(router_settings(clean_redis_url, max_body_bytes=1_024)) as (
+        router,
+        _,
+    ):
+        response = await router.post("/route", json={"prompt": list(range(1_000))})
+        assert response.status_code == 413
+        assert response.json()["error"]["message"] == "request body is larger than 1024 bytes"
+
+
+async def test_workers_index_stats_and_metrics(clean_redis_url: str) -> None:
+    async with cluster(clean_redis_url) as (router, runtime, _):
+        await router.post("/route", json={"prompt": PROMPT})
+        workers = {w["worker"]: w for w in (await router.get("/workers")).json()["workers"]}
+        assert sorted(workers) == ["w0", "w1"]
+        w0 = workers["w0"]
+        assert (w0["state"], w0["alive"], w0["synced"], w0["capacity_blocks"]) == (
+            "up",
+            True,
+            True,
+            256,
+        )
+        assert w0["blocks"] == {"gpu": _blocks(runtime, "w0"), "host": 0}
+        assert w0["load"]["free_blocks_0"] == 256
+        assert 0 <= w0["heartbeat_age_s"] < 2.0
+        stats = (await router.get("/index/stats")).json()
+        assert stats["tokens_per_block"] == 16
+        assert stats["index"]["per_worker"]["w0"]["blocks"] == _blocks(runtime, "w0")
+        assert stats["consumer"]["synced_workers"] == 2
+        text = (await router.get("/metrics")).text
+        assert 'kvmesh_router_decisions_total{policy="kv_aware",worker="w0"} 1.0' in text
+        assert 'kvmesh_router_expected_cached_tokens_total{worker="w0"} 96.0' in text
+        assert 'kvmesh_router_workers{state="up"} 2.0' in text
+        assert "kvmesh_router_decision_seconds_count 1.0" in text
+        assert "kvmesh_router_consumer_resyncs_total 0.0" in text
+
+
+async def test_two_routers_agree(clean_redis_url: str) -> None:
+    async with (
+        cluster(clean_redis_url) as (first, _, _),
+        router_client(router_settings(clean_redis_url)) as (second, runtime2),
+    ):
+        await eventually(lambda: _blocks(runtime2, "w0") >= 6 and runtime2.readiness()["ready"])
+        prompts = [PROMPT, PROMPT[:50], list(range(7, 90)), *([i] * 40 for i in range(12))]
+        answers = []
+        for router in (first, second):
+            answers.append(
+                [
+                    (await router.post("/route", json={"prompt": p})).json()["worker"]
+                    for p in prompts
+                ]
+            )
+        assert answers[0] == answers[1]
+        assert answers[0][:2] == ["w0", "w0"]
+        assert set(answers[0]) == {"w0", "w1"}
+
+
+async def test_text_prompts_use_the_tokenizer(clean_redis_url: str, tmp_path: Path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"[UNK]": 0, **{f"w{i}": i + 1 for i in range(200)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    path = tmp_path / "tokenizer.json"
+    tokenizer.save(str(path))
+    text = " ".join(f"w{t - 1}" for t in PROMPT)  # ids 100..199 again
+    async with cluster(clean_redis_url, tokenizer=str(path)) as (router, _, _):
+        body = (await router.post("/route", json={"prompt": text})).json()
+        assert (body["num_tokens"], body["worker"], body["expected_cached_tokens"]) == (
+            100,
+            "w0",
+            96,
+        )

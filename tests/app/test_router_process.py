@@ -1,0 +1,108 @@
+"""``kvmesh router`` as a real process, with two ``kvmesh worker`` processes and a private Redis:
+a prompt sent twice is served from the cache the second time, streams pass through, a worker
+killed with SIGKILL leaves the rotation within its heartbeat TTL, and SIGTERM exits cleanly."""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import orjson
+
+from app.redis_server import EmbeddedRedis
+from tests.app.worker_support import free_port, service_process, wait_ready
+
+PROMPT = list(range(300, 400))  # 100 tokens: 6 full blocks of 16
+HEARTBEAT_TTL_S = 2.0
+
+
+def _worker_args(worker_id: str, port: int, redis_url: str) -> list[str]:
+    return [
+        *("--worker-id", worker_id, "--port", str(port), "--redis-url", redis_url),
+        *("--num-gpu-blocks", "128", "--max-seq-len", "2048"),
+        *("--heartbeat-ttl-s", str(HEARTBEAT_TTL_S)),
+        *("--sim-step-overhead-ms", "1", "--sim-prefill-us-per-token", "0"),
+    ]
+
+
+def _wait(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"still false after {timeout_s} s"
+        time.sleep(0.02)
+
+
+def _route(base: str) -> dict[str, Any]:
+    body: dict[str, Any] = httpx.post(f"{base}/route", json={"prompt": PROMPT}).json()
+    return body
+
+
+def _workers(base: str) -> dict[str, dict[str, Any]]:
+    return {w["worker"]: w for w in httpx.get(f"{base}/workers").json()["workers"]}
+
+
+def test_router_process_routes_to_the_cache_and_survives_a_killed_worker(
+    embedded_redis: EmbeddedRedis,
+) -> None:
+    url = embedded_redis.url
+    ports = {"w0": free_port(), "w1": free_port()}
+    router_port = free_port()
+    base = f"http://127.0.0.1:{router_port}"
+    router_args = ["--port", str(router_port), "--redis-url", url, "--load-interval-s", "0.05"]
+    with (
+        service_process("worker", _worker_args("w0", ports["w0"], url)) as w0,
+        service_process("worker", _worker_args("w1", ports["w1"], url)) as w1,
+        service_process("router", router_args) as router,
+    ):
+        procs = {"w0": w0, "w1": w1}
+        for worker, port in ports.items():
+            wait_ready(f"http://127.0.0.1:{port}", procs[worker])
+        wait_ready(base, router)
+        _wait(lambda: [w["state"] for w in _workers(base).values()] == ["up", "up"])
+
+        # The same prompt twice: the second lands where the first left its blocks.
+        first = httpx.post(f"{base}/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
+        assert first.status_code == 200
+        holder = first.headers["x-kvmesh-worker"]
+        assert first.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        _wait(lambda: _route(base)["expected_cached_tokens"] == 96)
+        second = httpx.post(f"{base}/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
+        assert second.headers["x-kvmesh-worker"] == holder
+        # The worker reuses the 6 full blocks and 3 tokens of the partial 7th (partial reuse).
+        assert second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 99
+
+        # Streaming passes through chunk by chunk, with the worker named.
+        with httpx.stream(
+            "POST",
+            f"{base}/v1/completions",
+            json={"prompt": PROMPT, "max_tokens": 3, "stream": True},
+        ) as stream:
+            assert stream.headers["x-kvmesh-worker"] == holder
+            lines = [line for line in stream.iter_lines() if line]
+        assert lines[-1] == "data: [DONE]"
+        chunks = [orjson.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+        assert sum(len(c["choices"][0]["token_ids"]) for c in chunks) == 3
+
+        # Kill the holder: the next request still succeeds (retried on the other worker) ...
+        procs[holder].send_signal(signal.SIGKILL)
+        procs[holder].wait(10)
+        killed_at = time.monotonic()
+        other = "w1" if holder == "w0" else "w0"
+        third = httpx.post(f"{base}/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
+        assert third.status_code == 200
+        assert third.headers["x-kvmesh-worker"] == other
+        # ... and the killed worker leaves the rotation within its heartbeat TTL.
+        while _workers(base)[holder]["state"] != "gone":
+            assert time.monotonic() - killed_at < HEARTBEAT_TTL_S + 1.5
+            time.sleep(0.05)
+        decision = httpx.post(f"{base}/route", json={"prompt": PROMPT}).json()
+        assert decision["worker"] == other
+        assert [c["worker"] for c in decision["costs"]] == [other]
+        metrics = httpx.get(f"{base}/metrics").text
+        assert "kvmesh_router_retries_total 1.0" in metrics
+
+        router.send_signal(signal.SIGTERM)
+        assert router.wait(timeout=15) == 0
