@@ -1,8 +1,7 @@
 """The ``kvmesh`` command line: one subcommand per service, plus ``demo`` and ``bench``.
 
 ``build_parser()`` is the single definition of every flag; ``tests/app/test_compose.py`` parses
-the commands of ``docker-compose.yml`` with it, so the two cannot drift apart. Services that are
-not written yet say so and exit 1.
+the commands of ``docker-compose.yml`` with it, so the two cannot drift apart.
 """
 
 from __future__ import annotations
@@ -33,12 +32,6 @@ def _package_version() -> str:
         return version("kvmesh")
     except PackageNotFoundError:  # running from a source tree that is not installed
         return "unknown"
-
-
-def _add_service_flags(parser: argparse.ArgumentParser, *, default_port: int) -> None:
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    parser.add_argument("--port", type=int, default=default_port, help="port to listen on")
-    _add_redis_flag(parser)
 
 
 def _add_redis_flag(parser: argparse.ArgumentParser) -> None:
@@ -120,9 +113,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_settings_flags(router, RouterSettings)
     router.set_defaults(handler=_cmd_router)
 
-    dashboard = sub.add_parser("dashboard", help="a live web dashboard of KV events")
-    _add_service_flags(dashboard, default_port=8080)
-    dashboard.set_defaults(handler=_not_implemented)
+    dashboard = sub.add_parser(
+        "dashboard", help="a live web dashboard of the cluster's KV cache (read-only)"
+    )
+    _add_redis_flag(dashboard)
+    from app.dashboard.settings import DashboardSettings
+
+    _add_settings_flags(dashboard, DashboardSettings)
+    dashboard.set_defaults(handler=_cmd_dashboard)
 
     replay = sub.add_parser(
         "replay", help="replay a Mooncake trace through an in-process cluster, per policy"
@@ -171,11 +169,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     return handler(args)
 
 
-def _not_implemented(args: argparse.Namespace) -> int:
-    print(f"kvmesh {args.command}: not implemented yet", file=sys.stderr)
-    return 1
-
-
 def _cmd_replay(args: argparse.Namespace) -> int:
     from app.replay.cli import main as replay_main
 
@@ -199,6 +192,16 @@ def _cmd_router(args: argparse.Namespace) -> int:
     return _run_service(args, RouterSettings, serve)
 
 
+def _cmd_dashboard(args: argparse.Namespace) -> int:
+    from app.dashboard.settings import DashboardSettings
+    from app.router.service import serve
+
+    def serve_dashboard(settings: DashboardSettings) -> None:
+        serve(settings.router_settings(), routing=False)
+
+    return _run_service(args, DashboardSettings, serve_dashboard)
+
+
 def _run_service(args: argparse.Namespace, model: type[S], serve: Callable[[S], None]) -> int:
     """Build the service's settings (a bad one: one line naming it, exit 2), then serve."""
     from pydantic import ValidationError
@@ -209,9 +212,9 @@ def _run_service(args: argparse.Namespace, model: type[S], serve: Callable[[S], 
         for error in exc.errors():
             print(f"kvmesh {args.command}: {_setting_error(error)}", file=sys.stderr)
         return 2
-    if settings.redis_url is None and args.command == "router":
+    if settings.redis_url is None and args.command in ("router", "dashboard"):
         print(
-            "kvmesh router: --redis-url (REDIS_URL): the router reads the workers' streams; "
+            f"kvmesh {args.command}: --redis-url (REDIS_URL): it reads the workers' streams; "
             "give the Redis they publish to",
             file=sys.stderr,
         )

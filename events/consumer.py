@@ -74,8 +74,8 @@ logger = logging.getLogger(__name__)
 _SNAPSHOT_REQUEST_TTL_MS: Final = 10_000
 _NO_DEADLINE: Final = float("inf")
 
-# Called after each applied entry: (worker, envelope, number of block events applied).
-EntryHook = Callable[[str, Envelope, int], None]
+# Called after each applied entry: (worker, envelope, the events applied, their block count).
+EntryHook = Callable[[str, Envelope, list[KVCacheEvent], int], None]
 
 
 def _entry_ms(entry_id: bytes | str) -> int:
@@ -571,4 +571,4 @@ class EventConsumer:
             self.num_blocks += blocks
             self.apply_lag_ms = max(time.time() * 1000 - _entry_ms(entry_id), 0.0)
             if self.on_entry is not None:
-                self.on_entry(worker_id, envelope, blocks)
+                self.on_entry(worker_id, envelope, events, blocks)

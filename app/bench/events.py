@@ -191,7 +191,9 @@ async def _consume(
     done = asyncio.Event()
     remaining = set(expected)
 
-    def on_entry(worker_id: str, envelope: Envelope, blocks: int) -> None:
+    def on_entry(
+        worker_id: str, envelope: Envelope, events: list[KVCacheEvent], blocks: int
+    ) -> None:
         nonlocal last_apply
         now = time.time()
         last_apply = now

@@ -100,6 +100,8 @@ def _decide(
     runtime: RouterRuntime,
     tokens: list[int],
     fields: schemas.PromptFields,
+    request_id: str,
+    kind: str,
     *,
     exclude: tuple[str, ...] = (),
 ) -> tuple[Decision, list[int], float]:
@@ -111,6 +113,7 @@ def _decide(
     decision = core.decide(hashes, len(tokens), policy=policy, weights=weights, exclude=exclude)
     elapsed = time.perf_counter() - start
     runtime.metrics.observe_decision(decision, elapsed, len(tokens))
+    runtime.dashboard.on_decision(request_id, kind, decision, len(tokens), hashes)
     return decision, hashes, elapsed
 
 
@@ -182,7 +185,7 @@ def _routing_router() -> APIRouter:
         param = "prompt_token_ids" if body.prompt_token_ids is not None else "prompt"
         assert prompt is not None
         tokens = _tokens(runtime, prompt, param)
-        decision, hashes, seconds = _decide(runtime, tokens, body)
+        decision, hashes, seconds = _decide(runtime, tokens, body, "", "route")
         out = _route_body(runtime, decision, len(tokens), seconds)
         if explain:
             out["workers"] = _explain(runtime, decision, hashes)
@@ -228,7 +231,9 @@ async def _proxy(
     tried: list[str] = []
     failures: list[str] = []
     for _attempt in range(2):
-        decision, hashes, _ = _decide(runtime, tokens, body, exclude=tuple(tried))
+        decision, hashes, _ = _decide(
+            runtime, tokens, body, request_id, "completion", exclude=tuple(tried)
+        )
         worker = decision.worker
         tried.append(worker)
         view = core.workers[worker]
@@ -303,7 +308,7 @@ async def _relay(
         runtime.metrics.completions.labels(worker=worker, status=status).inc()
 
 
-def _cluster_router(runtime_settings: Any) -> APIRouter:
+def _cluster_router(runtime_settings: Any, *, routing: bool) -> APIRouter:
     router = APIRouter(tags=["cluster"], route_class=OrjsonRoute)
     admin = admin_dependency(runtime_settings.admin_token, "router")
 
@@ -323,23 +328,25 @@ def _cluster_router(runtime_settings: Any) -> APIRouter:
             }
         )
 
-    @router.get("/policy", response_model=schemas.PolicyOut, summary="The routing policy")
-    async def get_policy(runtime: Runtime) -> Response:
-        return OrjsonResponse(_policy_body(runtime))
+    if routing:
 
-    @router.put(
-        "/policy",
-        response_model=schemas.PolicyOut,
-        dependencies=[admin],
-        summary="Change the routing policy or its weights (admin)",
-    )
-    async def put_policy(body: schemas.PolicyUpdate, runtime: Runtime) -> Response:
-        policy, weights = _routing(
-            runtime, schemas.Routing(policy=body.policy, weights=body.weights)
+        @router.get("/policy", response_model=schemas.PolicyOut, summary="The routing policy")
+        async def get_policy(runtime: Runtime) -> Response:
+            return OrjsonResponse(_policy_body(runtime))
+
+        @router.put(
+            "/policy",
+            response_model=schemas.PolicyOut,
+            dependencies=[admin],
+            summary="Change the routing policy or its weights (admin)",
         )
-        runtime.core.policy = policy
-        runtime.core.weights = weights
-        return OrjsonResponse(_policy_body(runtime))
+        async def put_policy(body: schemas.PolicyUpdate, runtime: Runtime) -> Response:
+            policy, weights = _routing(
+                runtime, schemas.Routing(policy=body.policy, weights=body.weights)
+            )
+            runtime.core.policy = policy
+            runtime.core.weights = weights
+            return OrjsonResponse(_policy_body(runtime))
 
     @router.get("/health", summary="The process is up")
     async def health() -> Response:
@@ -378,8 +385,9 @@ def _install_error_handlers(app: FastAPI, retry_after_s: int) -> None:
         )
 
 
-def install(app: FastAPI, settings: Any) -> None:
+def install(app: FastAPI, settings: Any, *, routing: bool = True) -> None:
     _install_error_handlers(app, settings.retry_after_s)
-    app.include_router(_routing_router())
-    app.include_router(_cluster_router(settings))
+    if routing:
+        app.include_router(_routing_router())
+    app.include_router(_cluster_router(settings, routing=routing))
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)

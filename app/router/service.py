@@ -34,6 +34,8 @@ import uvicorn
 from fastapi import FastAPI
 from redis.asyncio import Redis
 
+from app.dashboard.api import FrameHub
+from app.dashboard.state import DashboardState
 from app.router.core import RouterCore
 from app.router.metrics import RouterMetrics
 from app.router.settings import RouterSettings
@@ -63,12 +65,18 @@ class WorkerStatus:
 class RouterRuntime:
     """Everything one router process owns; see the module docstring."""
 
-    def __init__(self, settings: RouterSettings, redis: Redis) -> None:
+    def __init__(self, settings: RouterSettings, redis: Redis, *, routing: bool = True) -> None:
         self.settings = settings
         self.redis = redis
         self.index = PrefixIndex()
+        # A standalone dashboard (routing=False) follows the streams the same way, read-only.
+        self.source = "router" if routing else "dashboard"
+        self.dashboard = DashboardState(record_decisions=routing)
         self.consumer = EventConsumer(
-            redis, index=self.index, step_budget_s=settings.step_budget_ms / 1000
+            redis,
+            index=self.index,
+            step_budget_s=settings.step_budget_ms / 1000,
+            on_entry=self.dashboard.on_entry,
         )
         self.core = RouterCore(
             self.index,
@@ -93,22 +101,27 @@ class RouterRuntime:
         self._task: asyncio.Task[None] | None = None
         self.num_sync_errors = 0
         self.metrics = RouterMetrics(self)
+        self.hub = FrameHub(self)
 
     @classmethod
-    async def start(cls, settings: RouterSettings) -> RouterRuntime:
+    async def start(cls, settings: RouterSettings, *, routing: bool = True) -> RouterRuntime:
         if settings.redis_url is None:
             raise ValueError("redis_url: the router reads the workers' streams; give their Redis")
-        runtime = cls(settings, redis_client(settings.redis_url, socket_timeout=5.0))
+        runtime = cls(
+            settings, redis_client(settings.redis_url, socket_timeout=5.0), routing=routing
+        )
         if settings.tokenizer is not None:
             from tokenizers import Tokenizer
 
             runtime.tokenizer = Tokenizer.from_file(settings.tokenizer)
         await runtime.consumer.start()
         runtime._task = asyncio.create_task(runtime._run_sync(), name="kvmesh-router-sync")
-        logger.info("router: started (policy %s)", settings.policy)
+        runtime.hub.start()
+        logger.info("%s: started", runtime.source)
         return runtime
 
     async def aclose(self) -> None:
+        await self.hub.aclose()
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -333,12 +346,15 @@ def _id_key(entry_id: bytes | str) -> tuple[int, int]:
     return int(ms), int(seq or 0)
 
 
-def create_app(settings: RouterSettings) -> FastAPI:
+def create_app(settings: RouterSettings, *, routing: bool = True) -> FastAPI:
+    """The router's app; with ``routing=False`` the standalone dashboard (``kvmesh dashboard``):
+    the same view of the cluster, read-only, without the routing endpoints."""
+    from app.dashboard.api import install as install_dashboard
     from app.router.api import install
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
-        runtime = await RouterRuntime.start(settings)
+        runtime = await RouterRuntime.start(settings, routing=routing)
         app.state.runtime = runtime
         try:
             yield {"runtime": runtime}
@@ -346,18 +362,21 @@ def create_app(settings: RouterSettings) -> FastAPI:
             await runtime.aclose()
 
     app = FastAPI(
-        title="kvmesh router",
-        summary="Cache-aware, load-aware placement of LLM requests across kvmesh workers",
+        title="kvmesh router" if routing else "kvmesh dashboard",
+        summary="Cache-aware, load-aware placement of LLM requests across kvmesh workers"
+        if routing
+        else "A live view of the cluster's KV cache and its events (read-only)",
         lifespan=lifespan,
     )
-    install(app, settings)
+    install(app, settings, routing=routing)
+    install_dashboard(app)
     return app
 
 
-def serve(settings: RouterSettings) -> None:
-    """Run the router until SIGTERM/SIGINT (blocking)."""
+def serve(settings: RouterSettings, *, routing: bool = True) -> None:
+    """Run the router (or the standalone dashboard) until SIGTERM/SIGINT (blocking)."""
     config = uvicorn.Config(
-        create_app(settings),
+        create_app(settings, routing=routing),
         host=settings.host,
         port=settings.port,
         loop="uvloop",

@@ -698,4 +698,7 @@ class Engine:
     def _refresh_load(self) -> None:
         load = manager_load(self.mgr, num_waiting=self._num_waiting)
         load["running_requests"] = len(self.running)
+        # Totals since start, so that a reader can compute a hit rate over any interval.
+        load["reused_tokens"] = self.stats.reused_tokens
+        load["computed_tokens"] = self.stats.computed_tokens
         self.load = load

@@ -49,17 +49,25 @@ def test_bad_usage_prints_usage_and_exits_2(
     assert "usage: kvmesh" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize(
-    "argv",
-    [
-        ["dashboard"],
-    ],
-)
-def test_unwritten_services_say_so_and_exit_1(
-    argv: list[str], capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize("command", ["router", "dashboard"])
+def test_router_and_dashboard_need_a_redis(
+    command: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    assert main(argv) == 1
-    assert capsys.readouterr().err == f"kvmesh {argv[0]}: not implemented yet\n"
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    monkeypatch.delenv("KVMESH_REDIS_URL", raising=False)
+    assert main([command]) == 2
+    assert capsys.readouterr().err == (
+        f"kvmesh {command}: --redis-url (REDIS_URL): it reads the workers' streams; "
+        "give the Redis they publish to\n"
+    )
+
+
+def test_bad_router_settings_name_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["router", "--redis-url", "redis://x", "--sglang-balance-rel", "0.5"]) == 2
+    assert capsys.readouterr().err == (
+        "kvmesh router: --sglang-balance-rel (KVMESH_SGLANG_BALANCE_REL): "
+        "Input should be greater than or equal to 1\n"
+    )
 
 
 @pytest.mark.parametrize(
