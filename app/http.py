@@ -16,12 +16,39 @@ from fastapi import Depends, FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
-from pydantic import SecretStr
+from pydantic import BaseModel, SecretStr
 from starlette.exceptions import HTTPException
 
 from app.middleware import error_body
 
-__all__ = ["OrjsonResponse", "OrjsonRoute", "admin_dependency", "error", "install_error_handlers"]
+__all__ = [
+    "ErrorDetail",
+    "ErrorResponse",
+    "OrjsonResponse",
+    "OrjsonRoute",
+    "admin_dependency",
+    "error",
+    "error_responses",
+    "install_error_handlers",
+]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error shape."""
+
+    error: ErrorDetail
+
+
+def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI ``responses=`` for routes that answer these statuses in OpenAI's error shape."""
+    return {code: {"model": ErrorResponse} for code in codes}
 
 
 class OrjsonResponse(JSONResponse):

@@ -19,16 +19,26 @@ from __future__ import annotations
 
 import time
 import uuid
+from array import array
 from collections.abc import AsyncIterator
 from dataclasses import asdict
 from typing import Annotated, Any
 
 import httpx
+import numpy as np
+import numpy.typing as npt
 import orjson
 from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi.responses import Response, StreamingResponse
 
-from app.http import OrjsonResponse, OrjsonRoute, admin_dependency, error, install_error_handlers
+from app.http import (
+    OrjsonResponse,
+    OrjsonRoute,
+    admin_dependency,
+    error,
+    error_responses,
+    install_error_handlers,
+)
 from app.middleware import BodyLimit, error_body
 from app.router import schemas
 from app.router.core import NoWorkerError
@@ -59,7 +69,11 @@ Runtime = Annotated[RouterRuntime, Depends(_runtime)]
 # -- prompts and decisions ---------------------------------------------------------------------
 
 
-def _tokens(runtime: RouterRuntime, prompt: str | list[int], param: str) -> list[int]:
+def _tokens(
+    runtime: RouterRuntime, prompt: str | list[int], param: str
+) -> tuple[list[int], npt.NDArray[np.uint32]]:
+    """The prompt as token ids, and as the uint32 words the hasher reads (one C-level pass,
+    which is also the range check)."""
     if isinstance(prompt, str):
         if runtime.tokenizer is None:
             raise BadPrompt(
@@ -78,9 +92,11 @@ def _tokens(runtime: RouterRuntime, prompt: str | list[int], param: str) -> list
             f"{param}: {len(tokens)} tokens; the router takes at most "
             f"{runtime.settings.max_prompt_tokens}",
         )
-    if min(tokens) < 0 or max(tokens) >= 1 << 32:
-        raise BadPrompt(param, f"{param}: token ids must be within 0..2**32-1")
-    return tokens
+    try:
+        words = np.frombuffer(array("I", tokens), dtype=np.uint32)
+    except OverflowError:
+        raise BadPrompt(param, f"{param}: token ids must be within 0..2**32-1") from None
+    return tokens, words
 
 
 def _routing(runtime: RouterRuntime, routing: schemas.Routing | None) -> tuple[str, Weights]:
@@ -98,7 +114,7 @@ def _routing(runtime: RouterRuntime, routing: schemas.Routing | None) -> tuple[s
 
 def _decide(
     runtime: RouterRuntime,
-    tokens: list[int],
+    words: npt.NDArray[np.uint32],
     fields: schemas.PromptFields,
     request_id: str,
     kind: str,
@@ -109,11 +125,11 @@ def _decide(
     start = time.perf_counter()
     core = runtime.core
     policy, weights = _routing(runtime, fields.routing)
-    hashes = core.hashes(tokens, lora_task_id=fields.lora_task_id, cache_salt=fields.cache_salt)
-    decision = core.decide(hashes, len(tokens), policy=policy, weights=weights, exclude=exclude)
+    hashes = core.hashes(words, lora_task_id=fields.lora_task_id, cache_salt=fields.cache_salt)
+    decision = core.decide(hashes, len(words), policy=policy, weights=weights, exclude=exclude)
     elapsed = time.perf_counter() - start
-    runtime.metrics.observe_decision(decision, elapsed, len(tokens))
-    runtime.dashboard.on_decision(request_id, kind, decision, len(tokens), hashes)
+    runtime.metrics.observe_decision(decision, elapsed, len(words))
+    runtime.dashboard.on_decision(request_id, kind, decision, len(words), hashes)
     return decision, hashes, elapsed
 
 
@@ -130,7 +146,7 @@ def _route_body(
         "num_tokens": num_tokens,
         "num_blocks": num_tokens // runtime.core.tokens_per_block,
         "decision_us": round(seconds * 1e6, 3),
-        "costs": [asdict(cost) for cost in decision.costs],
+        "costs": decision.costs,  # dataclasses: orjson writes them as objects
     }
 
 
@@ -177,6 +193,7 @@ def _routing_router() -> APIRouter:
         "/route",
         response_model=schemas.RouteResponse | schemas.ExplainResponse,
         summary="Choose a worker for a prompt (nothing is sent; ?explain=true for the details)",
+        responses=error_responses(400, 413, 503),
     )
     async def route(
         body: schemas.RouteBody, runtime: Runtime, explain: Annotated[bool, Query()] = False
@@ -184,9 +201,9 @@ def _routing_router() -> APIRouter:
         prompt = body.prompt_token_ids if body.prompt_token_ids is not None else body.prompt
         param = "prompt_token_ids" if body.prompt_token_ids is not None else "prompt"
         assert prompt is not None
-        tokens = _tokens(runtime, prompt, param)
-        decision, hashes, seconds = _decide(runtime, tokens, body, "", "route")
-        out = _route_body(runtime, decision, len(tokens), seconds)
+        _, words = _tokens(runtime, prompt, param)
+        decision, hashes, seconds = _decide(runtime, words, body, "", "route")
+        out = _route_body(runtime, decision, len(words), seconds)
         if explain:
             out["workers"] = _explain(runtime, decision, hashes)
         return OrjsonResponse(out)
@@ -195,6 +212,7 @@ def _routing_router() -> APIRouter:
         "/route/explain",
         response_model=schemas.ExplainResponse,
         summary="Why a prompt would go where it goes: every worker's match per tier, load, cost",
+        responses=error_responses(400, 413, 503),
     )
     async def route_explain(body: schemas.RouteBody, runtime: Runtime) -> Response:
         return await route(body, runtime, explain=True)
@@ -202,17 +220,17 @@ def _routing_router() -> APIRouter:
     @router.post(
         "/v1/completions",
         summary="OpenAI completions: routed to the best worker and proxied (streaming too)",
-        responses={503: {"description": "no worker is up (Retry-After)"}},
+        responses=error_responses(400, 413, 502, 503),
     )
     async def completions(body: schemas.CompletionBody, runtime: Runtime) -> Response:
-        tokens = _tokens(runtime, body.prompt, "prompt")
+        tokens, words = _tokens(runtime, body.prompt, "prompt")
         payload = body.model_dump(exclude_unset=True, exclude={"routing"})
         payload["prompt"] = tokens
         request_id = body.request_id or f"cmpl-{uuid.uuid4().hex}"
         if request_id in runtime.core.inflight:
             raise BadPrompt("request_id", f"request_id: {request_id!r} is already in flight")
         payload["request_id"] = request_id
-        return await _proxy(runtime, body, tokens, payload, request_id)
+        return await _proxy(runtime, body, words, payload, request_id)
 
     return router
 
@@ -220,7 +238,7 @@ def _routing_router() -> APIRouter:
 async def _proxy(
     runtime: RouterRuntime,
     body: schemas.CompletionBody,
-    tokens: list[int],
+    words: npt.NDArray[np.uint32],
     payload: dict[str, Any],
     request_id: str,
 ) -> Response:
@@ -232,13 +250,13 @@ async def _proxy(
     failures: list[str] = []
     for _attempt in range(2):
         decision, hashes, _ = _decide(
-            runtime, tokens, body, request_id, "completion", exclude=tuple(tried)
+            runtime, words, body, request_id, "completion", exclude=tuple(tried)
         )
         worker = decision.worker
         tried.append(worker)
         view = core.workers[worker]
         url = f"{view.url}/v1/completions"
-        core.begin(request_id, decision, hashes, len(tokens))
+        core.begin(request_id, decision, hashes, len(words))
         try:
             upstream = await runtime.http.send(
                 runtime.http.build_request(
@@ -322,7 +340,6 @@ def _cluster_router(runtime_settings: Any, *, routing: bool) -> APIRouter:
         return OrjsonResponse(
             {
                 "index": stats,
-                "approx_bytes": runtime.index.approx_bytes() if stats["blocks"] < 1e6 else None,
                 "consumer": runtime.consumer.stats(),
                 "tokens_per_block": runtime.core.tokens_per_block,
             }
@@ -339,6 +356,7 @@ def _cluster_router(runtime_settings: Any, *, routing: bool) -> APIRouter:
             response_model=schemas.PolicyOut,
             dependencies=[admin],
             summary="Change the routing policy or its weights (admin)",
+            responses=error_responses(400, 401, 403),
         )
         async def put_policy(body: schemas.PolicyUpdate, runtime: Runtime) -> Response:
             policy, weights = _routing(
@@ -352,7 +370,11 @@ def _cluster_router(runtime_settings: Any, *, routing: bool) -> APIRouter:
     async def health() -> Response:
         return OrjsonResponse({"status": "ok"})
 
-    @router.get("/ready", summary="Ready to route: workers known, up, fresh and caught up")
+    @router.get(
+        "/ready",
+        summary="Ready to route: workers known, up, fresh and caught up (else 503, with why)",
+        responses={503: {"description": "not ready: the body lists the reasons"}},
+    )
     async def ready(runtime: Runtime) -> Response:
         body = runtime.readiness()
         return OrjsonResponse(body, status_code=200 if body["ready"] else 503)

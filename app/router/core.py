@@ -29,6 +29,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import numpy.typing as npt
+
 from app.router.policy import (
     Candidate,
     Decision,
@@ -43,6 +45,7 @@ from events.index import PrefixIndex
 __all__ = ["InFlight", "NoWorkerError", "RouterCore", "WorkerState", "WorkerView"]
 
 WorkerState = Literal["up", "stale", "draining"]
+_NO_MATCH = (0, 0)
 
 
 class NoWorkerError(Exception):
@@ -62,6 +65,37 @@ class WorkerView:
     inflight_running: int = 0
     inflight_blocks: int = 0
     num_decisions: int = 0
+    _terms: tuple[int, int, int, int] | None = None
+
+    def load_terms(self) -> tuple[int, int, int, int]:
+        """(queued prefill tokens, running, active blocks, free blocks): the worker's report
+        combined with the router's own accounting, which is newer. Cached until either
+        changes (``changed``), since every request reads it for every worker."""
+        terms = self._terms
+        if terms is None:
+            terms = self._terms = self._load_terms()
+        return terms
+
+    def changed(self) -> None:
+        self._terms = None
+
+    def _load_terms(self) -> tuple[int, int, int, int]:
+        load = self.load
+        if not load:
+            return (
+                self.inflight_prefill_tokens,
+                self.inflight_running,
+                self.inflight_blocks,
+                self.capacity_blocks,
+            )
+        reported_running = load.get("running_requests", load.get("active_sequences", 0))
+        free = load.get("free_blocks_0", self.capacity_blocks)
+        return (
+            self.inflight_prefill_tokens,
+            max(self.inflight_running, reported_running + load.get("waiting_requests", 0)),
+            max(self.inflight_blocks, load.get("used_blocks_0", 0)),
+            max(free - self.inflight_blocks, 0),
+        )
 
     @property
     def state(self) -> WorkerState:
@@ -119,6 +153,7 @@ class RouterCore:
         self.predict_ttl_s = predict_ttl_s
         self.clock = clock
         self.workers: dict[str, WorkerView] = {}
+        self._order: list[str] = []  # worker ids, sorted: every router sees the same list
         self.inflight: dict[str, InFlight] = {}
         # worker -> block hash -> expiry; expiry order for purging.
         self._predicted: dict[str, dict[int, float]] = {}
@@ -137,20 +172,25 @@ class RouterCore:
         view = self.workers.get(worker)
         if view is None:
             view = self.workers[worker] = WorkerView(worker)
+            self._order = sorted(self.workers)
         view.url = url
-        view.capacity_blocks = capacity_blocks
+        if capacity_blocks != view.capacity_blocks:
+            view.capacity_blocks = capacity_blocks
+            view.changed()
         view.draining = draining
         return view
 
     def remove_worker(self, worker: str) -> None:
         """Stop routing to ``worker`` (its in-flight requests stay counted until they finish)."""
-        self.workers.pop(worker, None)
+        if self.workers.pop(worker, None) is not None:
+            self._order = sorted(self.workers)
         self._predicted.pop(worker, None)
 
     def set_load(self, worker: str, load: dict[str, int]) -> None:
         view = self.workers.get(worker)
         if view is not None:
             view.load = load
+            view.changed()
 
     def set_stale(self, worker: str, reason: str | None) -> None:
         """Mark ``worker``'s data stale (``reason``) or fresh (None)."""
@@ -162,7 +202,7 @@ class RouterCore:
 
     def hashes(
         self,
-        tokens: Sequence[int],
+        tokens: Sequence[int] | npt.NDArray[Any],
         *,
         lora_task_id: int | None = None,
         cache_salt: str | None = None,
@@ -176,46 +216,48 @@ class RouterCore:
         )
 
     def candidates(
-        self, block_hashes: Sequence[int], *, exclude: Iterable[str] = ()
+        self,
+        block_hashes: Sequence[int],
+        *,
+        exclude: Iterable[str] = (),
+        tree_sizes: bool = True,
     ) -> list[Candidate]:
         """One ``Candidate`` per worker that may take a request (not draining, not excluded),
-        in worker-id order so that every router sees the same list."""
-        now = self.clock()
-        self._purge(now)
-        skip = set(exclude)
+        in worker-id order so that every router sees the same list. ``tree_sizes=False``
+        leaves ``cached_blocks`` 0 (only the ``sglang`` policy reads it)."""
+        predictions = self._predicted
+        now = 0.0
+        if predictions:
+            now = self.clock()
+            self._purge(now)
+        skip = set(exclude) if exclude else ()
         matches = self.index.find_matches_by_tier(block_hashes) if block_hashes else {}
+        num_blocks = len(block_hashes)
         out: list[Candidate] = []
-        for worker in sorted(self.workers):
+        for worker in self._order:
             view = self.workers[worker]
             if view.draining or worker in skip:
                 continue
-            depth, gpu = matches.get(worker, (0, 0))
+            depth, gpu = matches.get(worker, _NO_MATCH)
             host = depth - gpu
-            predicted = self._predicted.get(worker)
+            predicted = predictions.get(worker) if predictions else None
             if predicted:
                 get = predicted.get
-                n = len(block_hashes)
-                extended = depth
-                while extended < n and get(block_hashes[extended], 0.0) > now:
-                    extended += 1
-                depth = extended  # predicted blocks count as GPU blocks: they were just made
-            load = view.load
-            reported_running = load.get("running_requests", load.get("active_sequences", 0))
-            free = load.get("free_blocks_0", view.capacity_blocks)
+                while depth < num_blocks and get(block_hashes[depth], 0.0) > now:
+                    depth += 1  # predicted blocks count as GPU blocks: they were just made
+            queued, running, active, free = view.load_terms()
             out.append(
                 Candidate(
-                    worker=worker,
-                    matched_blocks=depth,
-                    host_blocks=host,
-                    queued_prefill_tokens=view.inflight_prefill_tokens,
-                    running=max(
-                        view.inflight_running, reported_running + load.get("waiting_requests", 0)
-                    ),
-                    active_blocks=max(view.inflight_blocks, load.get("used_blocks_0", 0)),
-                    free_blocks=max(free - view.inflight_blocks, 0) if load else free,
-                    capacity_blocks=view.capacity_blocks,
-                    cached_blocks=self._num_cached(worker),
-                    fresh=view.stale_reason is None,
+                    worker,
+                    depth,
+                    host,
+                    queued,
+                    running,
+                    active,
+                    free,
+                    view.capacity_blocks,
+                    self._num_cached(worker) if tree_sizes else 0,
+                    view.stale_reason is None,
                 )
             )
         return out
@@ -237,7 +279,8 @@ class RouterCore:
     ) -> Decision:
         """Choose a worker for a prompt of ``num_tokens`` tokens whose full blocks hash to
         ``block_hashes``. Changes nothing but the policy state; ``begin`` records the choice."""
-        candidates = self.candidates(block_hashes, exclude=exclude)
+        policy = policy or self.policy
+        candidates = self.candidates(block_hashes, exclude=exclude, tree_sizes=policy == "sglang")
         if not candidates:
             raise NoWorkerError("no worker is up" if not self.workers else "no worker is left")
         request = RouteRequest(
@@ -267,6 +310,7 @@ class RouterCore:
             view.inflight_running += 1
             view.inflight_blocks += flight.blocks
             view.num_decisions += 1
+            view.changed()
         if self.predict_ttl_s > 0 and block_hashes:
             self.predict(worker, block_hashes)
         return flight
@@ -280,6 +324,7 @@ class RouterCore:
         view = self.workers.get(flight.worker)
         if view is not None:
             view.inflight_prefill_tokens -= flight.prefill_tokens
+            view.changed()
 
     def finish(self, request_id: str) -> None:
         """The request ended (completed, failed or cancelled): it leaves the accounting."""
@@ -291,6 +336,7 @@ class RouterCore:
         if view is not None:
             view.inflight_running -= 1
             view.inflight_blocks -= flight.blocks
+            view.changed()
 
     # -- the predicted cache -------------------------------------------------------------------
 

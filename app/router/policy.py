@@ -107,10 +107,11 @@ class RouteRequest:
         return self.num_tokens // self.tokens_per_block
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Candidate:
     """One worker as a policy sees it. Loads combine the worker's report with the router's own
-    accounting of what it sent (the router's figures are newer)."""
+    accounting of what it sent (the router's figures are newer). Not frozen, for speed (a
+    router builds one per worker per request); treat it as immutable."""
 
     worker: str
     matched_blocks: int = 0  # leading blocks of the request held, any tier
@@ -128,8 +129,8 @@ class Candidate:
         return min(self.matched_blocks * request.tokens_per_block, max(request.num_tokens - 1, 0))
 
 
-@dataclass(frozen=True, slots=True)
-class Cost:
+@dataclass(slots=True)
+class Cost:  # not frozen, for speed (one per worker per decision); treat it as immutable
     worker: str
     cost: float
     cached_tokens: int  # prompt tokens it is expected to reuse
@@ -226,18 +227,27 @@ def kv_aware(
 ) -> Decision:
     """Fewest prefill-token equivalents before the first token; see the module docstring."""
     _require(candidates)
+    # Locals and plain comparisons: this loop runs for every worker on every request.
     tpb = request.tokens_per_block
-    need_blocks = -(-request.num_tokens // tpb)
+    num_tokens = request.num_tokens
+    most_cached = max(num_tokens - 1, 0)  # the last prompt token is always computed
+    need_blocks = -(-num_tokens // tpb)
+    w_load, w_decode, w_host = weights.load, weights.decode, weights.host_hit
+    penalty = _MEMORY_PENALTY_PROMPTS * num_tokens
     costs: list[Cost] = []
     loads: list[float] = []
     for c in candidates:
-        cached = c.cached_tokens(request)
-        host_tokens = min(c.host_blocks * tpb, cached)
-        own = (request.num_tokens - cached) + weights.host_hit * host_tokens
-        load = weights.load * (c.queued_prefill_tokens + weights.decode * c.running)
+        cached = c.matched_blocks * tpb
+        if cached > most_cached:
+            cached = most_cached
+        host_tokens = c.host_blocks * tpb
+        if host_tokens > cached:
+            host_tokens = cached
+        own = (num_tokens - cached) + w_host * host_tokens
+        load = w_load * (c.queued_prefill_tokens + w_decode * c.running)
         cost = own + load
         if c.free_blocks < need_blocks - c.matched_blocks:
-            cost += _MEMORY_PENALTY_PROMPTS * request.num_tokens
+            cost += penalty
         costs.append(Cost(c.worker, cost, cached, own, load, c.fresh))
         loads.append(load)
     values = [c.cost for c in costs]

@@ -15,7 +15,8 @@ tasks on the event loop:
 A worker's data is *stale* (reported in ``/workers``, ``/ready``, metrics and every decision,
 never silently used as fresh) when the consumer is resynchronising it, when the entries it has
 not read yet are older than ``max_lag_ms``, when its heartbeat is late (under a third of its TTL
-left), or when it has published no load.
+left), when it has published no load, or while Redis does not answer (the router then routes
+on what it last knew).
 """
 
 from __future__ import annotations
@@ -143,6 +144,9 @@ class RouterRuntime:
                 if self.redis_ok:
                     logger.warning("router: Redis read failed: %s", exc)
                 self.redis_ok = False
+                # Routing goes on with the last index and loads, said to be stale.
+                for worker in self.core.workers:
+                    self.core.set_stale(worker, "redis_unreachable")
             except Exception:
                 self.num_sync_errors += 1
                 logger.exception("router: sync error")

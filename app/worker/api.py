@@ -30,7 +30,14 @@ import orjson
 from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi.responses import Response, StreamingResponse
 
-from app.http import OrjsonResponse, OrjsonRoute, admin_dependency, error, install_error_handlers
+from app.http import (
+    OrjsonResponse,
+    OrjsonRoute,
+    admin_dependency,
+    error,
+    error_responses,
+    install_error_handlers,
+)
 from app.middleware import BodyLimit
 from app.worker import schemas
 from app.worker.completions import BadRequest, completion_body, make_job
@@ -117,12 +124,8 @@ async def _wait_for_disconnect(request: Request) -> None:
 
 # -- routes ------------------------------------------------------------------------------------
 
-ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {"model": schemas.ErrorResponse} for code in (400, 404, 409, 413, 429, 503)
-}
-ADMIN_ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {"model": schemas.ErrorResponse} for code in (400, 401, 403, 404, 409)
-}
+ERRORS = error_responses(400, 404, 409, 413, 429, 503)
+ADMIN_ERRORS = error_responses(400, 401, 403, 404, 409)
 
 
 def _inference_router() -> APIRouter:

@@ -100,19 +100,6 @@ class CompletionResponse(BaseModel):
     kvmesh: Timings
 
 
-class ErrorDetail(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(BaseModel):
-    """OpenAI's error shape."""
-
-    error: ErrorDetail
-
-
 class BlockHashes(BaseModel):
     model_config = ConfigDict(extra="forbid")
 

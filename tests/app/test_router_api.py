@@ -11,6 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
+from app.redis_server import EmbeddedRedis
 from app.router.service import RouterRuntime
 from tests.app.router_support import eventually, router_client, router_settings
 from tests.app.worker_support import AUTH, worker_client, worker_settings
@@ -240,3 +241,21 @@ async def test_text_prompts_use_the_tokenizer(clean_redis_url: str, tmp_path: Pa
             "w0",
             96,
         )
+
+
+async def test_without_redis_the_router_routes_on_what_it_knew_and_says_so(
+    embedded_redis: EmbeddedRedis,
+) -> None:
+    async with cluster(embedded_redis.url) as (router, runtime, _):
+        embedded_redis.kill()
+        await eventually(
+            lambda: {v.stale_reason for v in runtime.core.workers.values()} == {"redis_unreachable"}
+        )
+        body = (await router.post("/route", json={"prompt": PROMPT})).json()
+        assert (body["worker"], body["expected_cached_tokens"], body["fresh"]) == ("w0", 96, False)
+        ready = (await router.get("/ready")).json()
+        assert ready["stale"] == {"w0": "redis_unreachable", "w1": "redis_unreachable"}
+        assert "redis is not answering" in ready["reasons"]
+        embedded_redis.start()
+        await eventually(lambda: runtime.readiness()["ready"], timeout_s=20)
+        assert (await router.post("/route", json={"prompt": PROMPT})).json()["fresh"] is True

@@ -113,9 +113,7 @@ def test_one_system_prompt_for_everyone_still_spreads_over_every_worker() -> Non
     core, _ = make_core(4, index=index)
     system = list(range(50_000, 51_024))
     store(index, "w0", system)
-    placed = [
-        route(core, f"r{i}", [*system, *range(i * 256, i * 256 + 256)]) for i in range(1_000)
-    ]
+    placed = [route(core, f"r{i}", [*system, *range(i * 256, i * 256 + 256)]) for i in range(1_000)]
     counts = Counter(placed)
     assert sorted(counts) == ["w0", "w1", "w2", "w3"]
     assert min(counts.values()) >= 230, counts
