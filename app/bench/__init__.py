@@ -25,6 +25,7 @@ BENCHMARKS: dict[str, str] = {
     "transfer": "app.bench.transfer:run",
     "redis": "app.bench.redis_rtt:run",
     "worker": "app.bench.worker:run",
+    "router": "app.bench.router:run",
 }
 
 

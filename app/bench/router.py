@@ -1,0 +1,614 @@
+"""``kvmesh bench router``: routing decisions, in process and through a real ``kvmesh router``.
+
+Workload: ``kvmesh bench index``'s (``app.bench.index.generate``: 16 workers, chat sessions
+sharing system prompts, real chained block hashes, msgpack-encoded events; generated in a child
+process, as there), and its 4,096-token requests as token lists: half continue a conversation, a
+quarter share only a system prompt, a quarter are cold. Each worker reports a fixed load, drawn
+once (seeded): 0..32 running sequences, 0..4 waiting, 4,096..32,768 of its 65,536 blocks in use.
+
+In-process part: a ``RouterCore`` (``kv_aware``, 16 tokens per block) over an index built from
+the encoded stream as a consumer builds it (``build_streaming``), every worker registered with
+its capacity and load. Timed per request, after one untimed pass over all of them:
+``decision_*`` = ``core.hashes(tokens)`` + ``core.decide(hashes, len(tokens))``, the whole path
+from token list to choice. The break-down, each in its own pass: ``hash_*`` (``core.hashes``),
+``match_*`` (``index.find_matches_by_tier``), ``candidates_*`` (``core.candidates``: the match
+plus one ``Candidate`` per worker) and ``policy_*`` (``choose`` on those candidates).
+
+HTTP part: a private ``redis-server`` (never ``$REDIS_URL``: a shared Redis would bring its own
+workers into the router's view). A child process runs 16 ``EventPublisher``s, one per worker,
+which register the workers (URL, 16 tokens per block, capacity, heartbeat), publish their loads
+and every event of the stream (renumbered per worker from 0, as each worker's manager numbers
+its own) and stay alive, heartbeating, until the end. Then ``kvmesh router`` starts; its own
+consumer builds its index from the streams. Not timed: waiting until ``/index/stats`` shows the
+same blocks and block-worker entries as the in-process index and ``/ready`` answers 200
+(``router_catch_up_s``), then warm-up (one request per client at once, which opens the
+connections, then ``NUM_WARMUP`` one after the other).
+
+Timed: ``POST /route`` with ``{"prompt_token_ids": [...]}`` (bodies serialised beforehand with
+orjson), open loop: request ``i`` is due at ``start + i / rate`` whatever the answers before
+it; 1,000 requests/s for 10 s (``--quick``: 200/s for 1 s), cycling over the requests. Each is
+sent on an idle client from a pool of ``NUM_CLIENTS`` (one keep-alive connection each; one pool
+of many connections costs httpcore more CPU per request). Latency (``http_*_ms``) is measured
+from the request's due time to its answer parsed, so a client or router that falls behind shows
+up in it instead of silently lowering the rate; ``http_send_lag_p99_ms`` is how late requests
+left the client. An answer counts as an error unless it is a 200 naming one of the 16 workers.
+``http_same_choice``: the fraction of answers that chose the worker the in-process core chose
+for the same prompt (the router sees the same index and loads, and ties are broken by a seed
+taken from the prompt, so anything below 1.0 means the two views differ).
+``http_rate``: answers received / seconds from the first due time to the last answer.
+``router_cpu_s`` etc.: CPU seconds of each process over the timed part (Linux ``/proc``);
+``other_cpu_s``: what the rest of the machine used meanwhile, and ``load_average`` (1 minute)
+just before: the router is one single-threaded process, and the client, Redis and the
+publishers share the machine with it, so on a small or busy host the achieved rate and the
+tail latency measure the host as much as the router.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import gc
+import logging
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from multiprocessing.synchronize import Event as EventType
+from pathlib import Path
+from typing import IO, Any
+
+import httpx
+import numpy as np
+import orjson
+import uvloop
+
+from app.bench.index import NUM_WORKERS, SEED, TOKENS_PER_BLOCK, build_streaming, generate
+from app.bench.worker import _cpu_seconds, _free_port, _machine_busy_seconds
+from app.redis_server import EmbeddedRedis
+from app.router.core import RouterCore
+from app.router.policy import RouteRequest, choose
+from cache import KVCacheEvent
+from events.codec import decode_events
+from events.index import PrefixIndex
+from events.publisher import EventPublisher, redis_client
+from events.snapshot import Snapshot
+
+NUM_EVENTS = 20_000
+NUM_EVENTS_QUICK = 1_000
+NUM_REQUESTS = 2_000
+NUM_REQUESTS_QUICK = 200
+RATE = 1_000.0  # requests/s
+RATE_QUICK = 200.0
+DURATION_S = 10.0
+DURATION_QUICK_S = 1.0
+NUM_CLIENTS = 32
+NUM_WARMUP = 200
+CAPACITY_BLOCKS = 65_536
+HOST = "127.0.0.1"
+PUBLISH_TIMEOUT_S = 120.0
+CATCH_UP_TIMEOUT_S = 180.0
+CATCH_UP_POLL_S = 0.25
+REQUEST_TIMEOUT_S = 10.0
+STOP_TIMEOUT_S = 15.0
+
+
+def worker_loads(seed: int = SEED + 2) -> dict[str, dict[str, int]]:
+    """The load each worker reports, in the load hash's fields (seeded, fixed for the run)."""
+    rng = np.random.default_rng(seed)
+    loads: dict[str, dict[str, int]] = {}
+    for i in range(NUM_WORKERS):
+        used = int(rng.integers(4_096, 32_768))
+        loads[f"worker-{i}"] = {
+            "active_sequences": int(rng.integers(0, 33)),
+            "waiting_requests": int(rng.integers(0, 5)),
+            "free_blocks_0": CAPACITY_BLOCKS - used,
+            "used_blocks_0": used,
+            "free_blocks_1": 0,
+            "used_blocks_1": 0,
+        }
+    return loads
+
+
+def make_core(index: PrefixIndex, loads: dict[str, dict[str, int]]) -> RouterCore:
+    """A router's core over ``index``, with every worker registered and its load reported."""
+    core = RouterCore(index, tokens_per_block=TOKENS_PER_BLOCK, policy="kv_aware")
+    for worker, load in loads.items():
+        core.upsert_worker(worker, url=_worker_url(worker), capacity_blocks=CAPACITY_BLOCKS)
+        core.set_load(worker, dict(load))
+    return core
+
+
+def _worker_url(worker: str) -> str:
+    # Never contacted: /route only decides. The router marks a worker without a URL stale.
+    return f"http://{worker}.invalid:8000"
+
+
+def _percentile(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _time_us(fn: Callable[[Any], object], inputs: Sequence[Any]) -> tuple[float, float]:
+    """(p50, p99) in microseconds of ``fn(item)`` over ``inputs``."""
+    clock = time.perf_counter_ns
+    samples: list[int] = []
+    for item in inputs:
+        start = clock()
+        fn(item)
+        samples.append(clock() - start)
+    return (
+        round(_percentile(samples, 0.5) / 1e3, 2),
+        round(_percentile(samples, 0.99) / 1e3, 2),
+    )
+
+
+# -- the in-process part -------------------------------------------------------------------------
+
+
+def measure_decision(core: RouterCore, requests: list[list[int]]) -> dict[str, Any]:
+    hashes = [core.hashes(tokens) for tokens in requests]
+    candidates = [core.candidates(h) for h in hashes]
+    route_requests = [
+        RouteRequest(len(tokens), core.tokens_per_block, h[-1] if h else len(tokens))
+        for tokens, h in zip(requests, hashes, strict=True)
+    ]
+
+    def decision(tokens: list[int]) -> None:
+        core.decide(core.hashes(tokens), len(tokens))
+
+    def policy(k: int) -> None:
+        choose(core.policy, route_requests[k], candidates[k], core.weights, core.state)
+
+    for tokens in requests:  # warm-up (the hasher compiles on first use)
+        decision(tokens)
+    decision_p50, decision_p99 = _time_us(decision, requests)
+    hash_p50, hash_p99 = _time_us(core.hashes, requests)
+    match_p50, match_p99 = _time_us(core.index.find_matches_by_tier, hashes)
+    candidates_p50, _ = _time_us(core.candidates, hashes)
+    policy_p50, policy_p99 = _time_us(policy, range(len(requests)))
+    return {
+        "decision_p50_us": decision_p50,
+        "decision_p99_us": decision_p99,
+        "hash_p50_us": hash_p50,
+        "hash_p99_us": hash_p99,
+        "match_p50_us": match_p50,
+        "match_p99_us": match_p99,
+        "candidates_p50_us": candidates_p50,
+        "policy_p50_us": policy_p50,
+        "policy_p99_us": policy_p99,
+    }
+
+
+# -- the publishers (a child process) ------------------------------------------------------------
+
+
+def _events_per_worker(stream: list[tuple[str, bytes]]) -> dict[str, list[KVCacheEvent]]:
+    """The stream's events by worker, renumbered from 0 per worker (ids without gaps)."""
+    out: dict[str, list[KVCacheEvent]] = defaultdict(list)
+    for worker, blob in stream:
+        mine = out[worker]
+        for event in decode_events(blob):
+            mine.append(replace(event, event_id=len(mine)))
+    return dict(out)
+
+
+def _publisher_main(
+    redis_url: str,
+    stream: list[tuple[str, bytes]],
+    loads: dict[str, dict[str, int]],
+    ready: EventType,
+    stop: EventType,
+) -> None:
+    """Child process: 16 publishers that publish everything, then heartbeat until ``stop``."""
+    parent_pid = os.getppid()
+    events = _events_per_worker(stream)
+    uvloop.run(_run_publishers(redis_url, events, loads, ready, stop, parent_pid))
+
+
+async def _run_publishers(
+    redis_url: str,
+    events: dict[str, list[KVCacheEvent]],
+    loads: dict[str, dict[str, int]],
+    ready: EventType,
+    stop: EventType,
+    parent_pid: int,
+) -> None:
+    redis = redis_client(redis_url)
+    published: dict[str, list[KVCacheEvent]] = {worker: [] for worker in loads}
+
+    def snapshot_of(worker: str) -> Callable[[], Snapshot]:
+        # What the worker holds is what it published so far (no evictions in this workload).
+        def take() -> Snapshot:
+            mine = published[worker]
+            return Snapshot(list(mine), mine[-1].event_id if mine else -1)
+
+        return take
+
+    publishers = [
+        EventPublisher(
+            redis,
+            worker,
+            snapshot_source=snapshot_of(worker),
+            registry_entry={
+                "url": _worker_url(worker),
+                "tokens_per_block": TOKENS_PER_BLOCK,
+                "capacity": [CAPACITY_BLOCKS, 0],
+            },
+            load_source=load.copy,
+        )
+        for worker, load in loads.items()
+    ]
+    try:
+        for publisher in publishers:
+            await publisher.start()
+        for publisher in publishers:
+            worker = publisher.worker_id
+            for event in events.get(worker, []):
+                published[worker].append(event)
+                publisher.publish([event])
+            await asyncio.sleep(0)  # let the flushers start on what is buffered
+        await asyncio.gather(*(p.flush(PUBLISH_TIMEOUT_S) for p in publishers))
+        ready.set()
+        await asyncio.to_thread(_wait_for_stop, stop, parent_pid)
+    finally:
+        await asyncio.gather(*(p.aclose() for p in publishers), return_exceptions=True)
+        await redis.aclose()
+
+
+def _wait_for_stop(stop: EventType, parent_pid: int) -> None:
+    """Until the benchmark says stop, or dies without saying it (then this process goes too)."""
+    while not stop.wait(1.0) and os.getppid() == parent_pid:
+        pass
+
+
+@contextlib.contextmanager
+def _publishers(
+    redis_url: str, stream: list[tuple[str, bytes]], loads: dict[str, dict[str, int]]
+) -> Iterator[multiprocessing.process.BaseProcess]:
+    """The publishers' process, once everything is published; stopped (unregistering) at exit."""
+    context = multiprocessing.get_context("spawn")
+    ready, stop = context.Event(), context.Event()
+    proc = context.Process(
+        target=_publisher_main,
+        args=(redis_url, stream, loads, ready, stop),
+        name="kvmesh-bench-publishers",
+        daemon=True,
+    )
+    proc.start()
+    try:
+        deadline = time.monotonic() + PUBLISH_TIMEOUT_S
+        while not ready.wait(0.1):
+            if not proc.is_alive():
+                raise RuntimeError(f"the publishers' process exited with {proc.exitcode}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the events were not published within {PUBLISH_TIMEOUT_S} s")
+        yield proc
+    finally:
+        stop.set()
+        proc.join(STOP_TIMEOUT_S)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+
+
+# -- the router (a subprocess) -------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _router(redis_url: str, port: int, log: IO[bytes]) -> Iterator[subprocess.Popen[bytes]]:
+    """``kvmesh router`` on ``port``; SIGTERM (then SIGKILL) at the end."""
+    script = Path(sys.executable).parent / "kvmesh"
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "app"]
+    flags = ["--host", HOST, "--port", str(port), "--redis-url", redis_url]
+    env = {**os.environ, "KVMESH_LOG_LEVEL": "WARNING"}
+    proc = subprocess.Popen(
+        [*command, "router", *flags], stdout=log, stderr=subprocess.STDOUT, env=env
+    )
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _log_tail(log: IO[bytes]) -> str:
+    log.seek(0)
+    return log.read()[-4_000:].decode(errors="replace")
+
+
+def _wait_caught_up(
+    base_url: str, proc: subprocess.Popen[bytes], log: IO[bytes], expected: dict[str, int]
+) -> dict[str, Any]:
+    """Wait until the router's index holds every block and it is ready; its index stats."""
+    deadline = time.monotonic() + CATCH_UP_TIMEOUT_S
+    seen: dict[str, Any] = {}
+    with httpx.Client(base_url=base_url, timeout=2.0) as client:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the router exited with {proc.returncode}:\n{_log_tail(log)}")
+            with contextlib.suppress(httpx.HTTPError):
+                # /index/stats sizes the whole index (tens of ms of the router's loop at half a
+                # million blocks): asked only once the router says it is ready.
+                if client.get("/ready").status_code == 200:
+                    seen = orjson.loads(client.get("/index/stats").content)["index"]
+                    if all(seen.get(k) == v for k, v in expected.items()):
+                        return seen
+            time.sleep(CATCH_UP_POLL_S)
+    shown = {k: seen.get(k) for k in expected}
+    raise RuntimeError(
+        f"the router did not catch up within {CATCH_UP_TIMEOUT_S} s: its index has {shown}, "
+        f"expected {expected}"
+    )
+
+
+# -- the HTTP clients ----------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Outcome:
+    """What the clients saw during the timed part."""
+
+    seconds: float = 0.0
+    ok: int = 0
+    same_choice: int = 0
+    errors: list[str] = field(default_factory=list)
+    num_errors: int = 0
+    latency_ms: list[float] = field(default_factory=list)
+    send_lag_ms: list[float] = field(default_factory=list)
+    client_cpu_s: float = 0.0
+    router_cpu_s: float | None = None
+    redis_cpu_s: float | None = None
+    publishers_cpu_s: float | None = None
+    machine_cpu_s: float | None = None
+
+
+async def _post(client: httpx.AsyncClient, body: bytes) -> dict[str, Any]:
+    """The answer to one ``/route``; ValueError unless it is a 200 naming a worker."""
+    response = await client.post(
+        "/route", content=body, headers={"Content-Type": "application/json"}
+    )
+    if response.status_code != 200:
+        raise ValueError(f"status {response.status_code}: {response.text[:200]}")
+    answer: dict[str, Any] = orjson.loads(response.content)
+    return answer
+
+
+async def _drive(
+    base_url: str,
+    bodies: list[bytes],
+    chosen: list[str],
+    rate: float,
+    duration_s: float,
+    pids: dict[str, int | None],
+) -> Outcome:
+    limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
+    timeout = httpx.Timeout(REQUEST_TIMEOUT_S)
+    workers = set(chosen)
+    outcome = Outcome()
+    async with contextlib.AsyncExitStack() as stack:
+        clients = [
+            await stack.enter_async_context(
+                httpx.AsyncClient(base_url=base_url, limits=limits, timeout=timeout)
+            )
+            for _ in range(NUM_CLIENTS)
+        ]
+        # Warm-up: one request per client at once (opens the connections), then one by one.
+        await asyncio.gather(*(_post(c, bodies[i]) for i, c in enumerate(clients)))
+        for i in range(NUM_WARMUP):
+            await _post(clients[0], bodies[i % len(bodies)])
+
+        idle: asyncio.Queue[httpx.AsyncClient] = asyncio.Queue()
+        for client in clients:
+            idle.put_nowait(client)
+        clock = time.perf_counter
+        last_answer = 0.0
+
+        async def one(k: int, due: float) -> None:
+            nonlocal last_answer
+            client = await idle.get()
+            sent = clock()
+            try:
+                answer = await _post(client, bodies[k])
+                if answer.get("worker") not in workers:
+                    raise ValueError(f"unknown worker {answer.get('worker')!r}")
+            except (httpx.HTTPError, ValueError) as exc:
+                outcome.num_errors += 1
+                if len(outcome.errors) < 5:
+                    outcome.errors.append(f"{type(exc).__name__}: {exc}")
+                return
+            finally:
+                idle.put_nowait(client)
+            done = clock()
+            last_answer = max(last_answer, done)
+            outcome.ok += 1
+            outcome.same_choice += answer["worker"] == chosen[k]
+            outcome.latency_ms.append((done - due) * 1e3)
+            outcome.send_lag_ms.append((sent - due) * 1e3)
+
+        num_requests = round(rate * duration_s)
+        tasks: list[asyncio.Task[None]] = []
+        before = {name: _cpu_seconds(pid) for name, pid in pids.items()}
+        machine_cpu = _machine_busy_seconds()
+        client_cpu = time.process_time()
+        start = clock()
+        for i in range(num_requests):
+            due = start + i / rate
+            delay = due - clock()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(i % len(bodies), due)))
+        await asyncio.gather(*tasks)
+        outcome.seconds = (last_answer if outcome.ok else clock()) - start
+        outcome.client_cpu_s = time.process_time() - client_cpu
+        after = {name: _cpu_seconds(pid) for name, pid in pids.items()}
+        machine_after = _machine_busy_seconds()
+    spent = {name: _delta(after[name], before[name]) for name in pids}
+    outcome.router_cpu_s = spent.get("router")
+    outcome.redis_cpu_s = spent.get("redis")
+    outcome.publishers_cpu_s = spent.get("publishers")
+    outcome.machine_cpu_s = _delta(machine_after, machine_cpu)
+    return outcome
+
+
+def _delta(after: float | None, before: float | None) -> float | None:
+    return None if after is None or before is None else round(after - before, 3)
+
+
+def _serve_and_drive(
+    server: EmbeddedRedis,
+    stream: list[tuple[str, bytes]],
+    loads: dict[str, dict[str, int]],
+    bodies: list[bytes],
+    chosen: list[str],
+    expected: dict[str, int],
+    rate: float,
+    duration_s: float,
+) -> tuple[Outcome, dict[str, Any], float, float]:
+    """Publishers, then the router; once it has caught up, the timed part. Returns the outcome,
+    the router's index stats, the seconds it took to catch up, the load average before."""
+    port = _free_port()
+    base_url = f"http://{HOST}:{port}"
+    with (
+        _publishers(server.url, stream, loads) as publishers,
+        tempfile.TemporaryFile() as log,
+        _router(server.url, port, log) as router,
+    ):
+        started = time.monotonic()
+        stats = _wait_caught_up(base_url, router, log, expected)
+        catch_up_s = time.monotonic() - started
+        pids = {"router": router.pid, "redis": server.pid, "publishers": publishers.pid}
+        load_average = os.getloadavg()[0]
+        gc.collect()
+        gc.freeze()  # the bodies are input: the client's collector need not walk them
+        try:
+            with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+                outcome = runner.run(_drive(base_url, bodies, chosen, rate, duration_s, pids))
+        finally:
+            gc.unfreeze()
+        if router.poll() is not None:
+            raise RuntimeError(f"the router exited with {router.returncode}:\n{_log_tail(log)}")
+    return outcome, stats, catch_up_s, load_average
+
+
+def measure_http(
+    server: EmbeddedRedis,
+    stream: list[tuple[str, bytes]],
+    loads: dict[str, dict[str, int]],
+    requests: list[list[int]],
+    chosen: list[str],
+    expected: dict[str, int],
+    rate: float,
+    duration_s: float,
+) -> dict[str, Any]:
+    bodies = [orjson.dumps({"prompt_token_ids": tokens}) for tokens in requests]
+    httpx_logger = logging.getLogger("httpx")
+    httpx_level = httpx_logger.level
+    httpx_logger.setLevel(logging.WARNING)  # not a log line per request
+    try:
+        outcome, stats, catch_up_s, load_average = _serve_and_drive(
+            server, stream, loads, bodies, chosen, expected, rate, duration_s
+        )
+    finally:
+        httpx_logger.setLevel(httpx_level)
+    if outcome.num_errors:
+        print(
+            f"kvmesh bench router: {outcome.num_errors} request(s) failed, "
+            f"e.g. {outcome.errors[0]}",
+            file=sys.stderr,
+        )
+    ok = outcome.ok
+    ours = [outcome.client_cpu_s, outcome.router_cpu_s, outcome.redis_cpu_s]
+    ours.append(outcome.publishers_cpu_s)
+    other = (
+        round(max(outcome.machine_cpu_s - sum(c or 0.0 for c in ours), 0.0), 3)
+        if outcome.machine_cpu_s is not None
+        else None
+    )
+    result: dict[str, Any] = {
+        "http_offered_rate": rate,
+        "http_seconds": round(outcome.seconds, 3),
+        "http_requests": ok + outcome.num_errors,
+        "http_ok": ok,
+        "http_errors": outcome.num_errors,
+        "http_error_samples": outcome.errors,
+        "http_rate": round(ok / outcome.seconds, 1) if outcome.seconds > 0 else 0.0,
+        "http_same_choice": round(outcome.same_choice / ok, 4) if ok else 0.0,
+        "router_workers": stats["workers"],
+        "router_catch_up_s": round(catch_up_s, 2),
+        "router_cpu_s": outcome.router_cpu_s,
+        "router_cpu_us_per_request": (
+            round(outcome.router_cpu_s / ok * 1e6, 1) if outcome.router_cpu_s and ok else None
+        ),
+        "client_cpu_s": round(outcome.client_cpu_s, 3),
+        "redis_cpu_s": outcome.redis_cpu_s,
+        "publishers_cpu_s": outcome.publishers_cpu_s,
+        "other_cpu_s": other,
+        "cpus": os.cpu_count(),
+        "load_average": round(load_average, 2),
+    }
+    if ok:
+        result.update(
+            {
+                "http_p50_ms": round(_percentile(outcome.latency_ms, 0.5), 3),
+                "http_p99_ms": round(_percentile(outcome.latency_ms, 0.99), 3),
+                "http_max_ms": round(max(outcome.latency_ms), 3),
+                "http_send_lag_p99_ms": round(_percentile(outcome.send_lag_ms, 0.99), 3),
+            }
+        )
+    return result
+
+
+# -- the whole run -------------------------------------------------------------------------------
+
+
+def measure(num_events: int, num_requests: int, rate: float, duration_s: float) -> dict[str, Any]:
+    # Generated in a child, as `kvmesh bench index` does: this process's heap stays clean.
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        stream, num_blocks, request_array = pool.apply(generate, (num_events, num_requests))
+    requests: list[list[int]] = request_array.tolist()
+    del request_array
+    index, _ = build_streaming(stream)
+    stats = index.stats()
+    loads = worker_loads()
+    core = make_core(index, loads)
+    gc.collect()
+    gc.freeze()
+    try:
+        decision = measure_decision(core, requests)
+        chosen = [core.decide(core.hashes(tokens), len(tokens)).worker for tokens in requests]
+    finally:
+        gc.unfreeze()
+    expected = {"workers": stats["workers"], "blocks": stats["blocks"]}
+    expected["entries"] = stats["entries"]
+    with EmbeddedRedis() as server:
+        http = measure_http(server, stream, loads, requests, chosen, expected, rate, duration_s)
+    return {
+        "workers": stats["workers"],
+        "events": len(stream),
+        "index_blocks": stats["blocks"],
+        "index_entries": stats["entries"],
+        "stored_blocks": num_blocks,
+        "prompt_tokens": len(requests[0]),
+        "requests": len(requests),
+        "policy": core.policy,
+        **decision,
+        **http,
+    }
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    if getattr(args, "quick", False):
+        return measure(NUM_EVENTS_QUICK, NUM_REQUESTS_QUICK, RATE_QUICK, DURATION_QUICK_S)
+    return measure(NUM_EVENTS, NUM_REQUESTS, RATE, DURATION_S)
