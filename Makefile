@@ -14,7 +14,7 @@ STAMP := $(VENV)/.kvmesh-installed
 TORCH_STAMP := $(VENV)/.torch-spec
 CHECKED := app cache events tests
 
-.PHONY: setup demo test lint fmt typecheck pytest clean FORCE
+.PHONY: setup browser demo test lint fmt typecheck pytest clean FORCE
 
 setup: $(STAMP)
 
@@ -23,7 +23,18 @@ $(TORCH_STAMP): FORCE
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	@echo '$(TORCH_SPEC)' | cmp -s - $@ || echo '$(TORCH_SPEC)' > $@
 
-$(STAMP): pyproject.toml constraints.txt $(TORCH_STAMP)
+# Debian's chromium, for the dashboard's browser test (Playwright drives it; no browser
+# download). Installed when missing and we are root with apt-get (CI); elsewhere the test skips.
+browser:
+	@if command -v chromium >/dev/null; then :; \
+	elif command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; \
+	else \
+		echo "no chromium (and no root apt-get): the dashboard's browser test will skip"; \
+	fi
+
+# browser is order-only: it is checked every time, but never re-runs the pip installs.
+$(STAMP): pyproject.toml constraints.txt $(TORCH_STAMP) | browser
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install $(PIP_FLAGS) --upgrade '$(PIP_SPEC)'
 	$(BIN)/python -m pip install $(PIP_FLAGS) $(TORCH_SPEC) -c constraints.txt
