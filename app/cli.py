@@ -10,9 +10,7 @@ import argparse
 import asyncio
 import json
 import logging
-import secrets
 import sys
-import time
 import typing
 from collections.abc import Callable, Sequence
 from importlib.metadata import PackageNotFoundError, version
@@ -94,9 +92,18 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     demo = sub.add_parser(
-        "demo", help="run kvmesh on this machine and print a summary (so far: a Redis check)"
+        "demo", help="Redis, workers, a router and its dashboard on this machine, and a workload"
     )
     _add_redis_flag(demo)
+    demo.add_argument("--workers", type=int, default=4, help="worker processes (default: 4)")
+    demo.add_argument(
+        "--duration", type=float, default=None, help="exit this many seconds after start"
+    )
+    demo.add_argument("--trace", default=None, help="a Mooncake trace (default: the built-in)")
+    demo.add_argument("--requests", type=int, default=None, help="replay the first N requests")
+    demo.add_argument("--port", type=int, default=8000, help="the router's port (default: 8000)")
+    demo.add_argument("--speed", type=float, default=85.0, help="trace seconds per second")
+    demo.add_argument("--no-browser", action="store_true", help="do not open the dashboard")
     demo.set_defaults(handler=_cmd_demo)
 
     worker = sub.add_parser("worker", help="a worker service owning one GPU's KV cache")
@@ -313,43 +320,33 @@ def _cmd_ingest_trtllm(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from app.redis_server import EmbeddedRedis
+    from pathlib import Path
 
-    url = args.redis_url or Settings().redis_url
-    if url is not None:
-        print(f"kvmesh demo: using Redis at {url}")
-        asyncio.run(_demo_redis_check(url))
-        return 0
-    with EmbeddedRedis() as server:
-        print(f"kvmesh demo: started a private redis-server (pid {server.pid}) at {server.url}")
-        asyncio.run(_demo_redis_check(server.url))
-    print("kvmesh demo: stopped the private redis-server")
-    return 0
+    from app.demo.runner import DEMO_TRACE, DemoError, DemoOptions, run_demo
+    from app.replay.trace import TraceError
 
-
-async def _demo_redis_check(url: str) -> None:
-    import redis.asyncio as aioredis
-
-    # Unique per run, so that a shared Redis is not disturbed.
-    key = f"kvmesh:demo:{secrets.token_hex(8)}"
-    value = secrets.token_hex(16)
-    client = aioredis.Redis.from_url(url)
+    if args.workers < 1 or (args.requests is not None and args.requests < 1) or args.speed <= 0:
+        print("kvmesh demo: --workers and --requests must be >= 1, --speed > 0", file=sys.stderr)
+        return 2
+    options = DemoOptions(
+        workers=args.workers,
+        duration_s=args.duration,
+        trace=Path(args.trace) if args.trace else DEMO_TRACE,
+        requests=args.requests,
+        port=args.port,
+        browser=not args.no_browser,
+        speed=args.speed,
+        redis_url=args.redis_url or Settings().redis_url,
+    )
     try:
-        start = time.perf_counter()
-        await client.ping()
-        ping_ms = (time.perf_counter() - start) * 1e3
-        info = await client.info("server")
-        await client.set(key, value, ex=60)
-        echoed = await client.get(key)
-        await client.delete(key)
-    finally:
-        await client.aclose()
-    if echoed != value.encode():
-        raise RuntimeError(f"Redis round trip failed: wrote {value!r}, read {echoed!r}")
-    print(f"  redis version : {info.get('redis_version', '?')}")
-    print(f"  PING          : ok ({ping_ms:.2f} ms)")
-    print("  SET/GET       : ok (round trip through the asyncio client)")
-    print("  workers, router, dashboard and workload replay: not implemented yet")
+        run_demo(options)
+    except (TraceError, DemoError) as exc:
+        print(f"kvmesh demo: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("kvmesh demo: stopped", file=sys.stderr)
+        return 130
+    return 0
 
 
 if __name__ == "__main__":

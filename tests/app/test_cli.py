@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -161,23 +162,15 @@ def _fixed_benchmark(args: object) -> dict[str, object]:
     return {"ops_per_s": 1234.5, "latency_us": {"p50": 7}}
 
 
-def test_demo_starts_and_stops_a_private_redis(
-    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.delenv("REDIS_URL", raising=False)
-    monkeypatch.delenv("KVMESH_REDIS_URL", raising=False)
-    assert main(["demo"]) == 0
-    out = capsys.readouterr().out
-    assert "started a private redis-server" in out
-    assert "SET/GET       : ok" in out
-    assert out.rstrip().endswith("stopped the private redis-server")
-
-
-def test_demo_uses_the_given_redis(capsys: pytest.CaptureFixture[str], redis_url: str) -> None:
-    assert main(["demo", "--redis-url", redis_url]) == 0
-    out = capsys.readouterr().out
-    assert f"using Redis at {redis_url}" in out
-    assert "SET/GET       : ok" in out
+def test_demo_refuses_a_port_in_use(capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        assert main(["demo", "--no-browser", "--port", str(port)]) == 2
+    assert capsys.readouterr().err == (
+        f"kvmesh demo: port {port} is in use; choose another with --port\n"
+    )
 
 
 def test_parser_is_rebuilt_fresh() -> None:

@@ -1,0 +1,1 @@
+"""``kvmesh demo``: the whole system on one machine with a built-in workload (``runner``)."""

@@ -1,0 +1,413 @@
+"""``kvmesh demo``: the whole system on one machine, and the comparison it is for.
+
+1. Redis: ``REDIS_URL`` if set, else a private ``redis-server`` (``app.redis_server``).
+2. A router with the dashboard (``kvmesh router``, its admin token made up for the run); its
+   dashboard URL is printed as soon as it answers.
+3. For each policy (``kv_aware``, then ``round_robin``): a fresh set of worker processes
+   (``kvmesh worker``, sim back-end, CPU pools; new ids, so empty caches), the router switched
+   to the policy (``PUT /policy``), and the workload replayed through the router over HTTP at
+   real time, scaled by ``--speed``, each request streamed so that the client measures its own
+   time to first token; then the workers are stopped (SIGTERM: they drain and unregister).
+4. A table comparing the policies: prefix hit ratio (from each response's
+   ``usage.prompt_tokens_details.cached_tokens``), TTFT p50/p99, load imbalance (as in
+   ``kvmesh replay``: per 60 s of trace time, the busiest worker's uncached prompt tokens over
+   the mean) and failed requests.
+5. The last cluster keeps serving until Ctrl-C (or until ``--duration`` seconds after start).
+
+The workload: ``conversations.jsonl`` beside this module, 192 requests of 48 multi-turn
+conversations from the Mooncake conversation trace (Apache-2.0; ``README.md`` here says how it
+was cut), its token ids derived from the trace's block ids as ``kvmesh replay`` does. Outputs
+are capped at ``--max-output-tokens`` so the demo takes a minute, not half an hour.
+
+Every child runs in its own session, so Ctrl-C reaches the demo only, which then stops each
+child (SIGTERM, then SIGKILL after a grace period) and its Redis before it exits; SIGTERM to the
+demo does the same. Nothing is left running, and no port stays taken.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import webbrowser
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import IO, Any
+
+import httpx
+import numpy as np
+import orjson
+
+from app.redis_server import EmbeddedRedis
+from app.replay.report import load_imbalance
+from app.replay.trace import TokenSource, TraceRequest, load_trace
+
+__all__ = ["DEMO_TRACE", "DemoError", "DemoOptions", "PhaseResult", "run_demo"]
+
+DEMO_TRACE = Path(__file__).resolve().parent / "conversations.jsonl"
+POLICIES = ("kv_aware", "round_robin")
+IMBALANCE_WINDOW_S = 60.0  # of trace time, as in kvmesh replay
+_READY_TIMEOUT_S = 60.0
+_STOP_TIMEOUT_S = 10.0
+
+
+class DemoError(Exception):
+    """The demo cannot start as asked (the message says why)."""
+
+
+@dataclass(slots=True)
+class DemoOptions:
+    workers: int = 4
+    duration_s: float | None = None
+    trace: Path = DEMO_TRACE
+    requests: int | None = None
+    port: int = 8000
+    browser: bool = True
+    speed: float = 85.0
+    blocks_per_worker: int = 4_096
+    max_output_tokens: int = 32
+    redis_url: str | None = None
+    progress: bool = True
+
+
+@dataclass(slots=True)
+class RequestResult:
+    arrival_s: float  # trace time
+    worker: str = ""
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class PhaseResult:
+    policy: str
+    results: list[RequestResult] = field(default_factory=list)
+
+    def summary(self, workers: list[str]) -> dict[str, Any]:
+        ok = [r for r in self.results if r.error is None]
+        prompt = sum(r.prompt_tokens for r in ok)
+        ttfts = np.array([r.ttft_s for r in ok if r.ttft_s is not None], dtype=np.float64)
+        return {
+            "hit_ratio": sum(r.cached_tokens for r in ok) / prompt if prompt else 0.0,
+            "ttft_p50_s": float(np.percentile(ttfts, 50)) if ttfts.size else None,
+            "ttft_p99_s": float(np.percentile(ttfts, 99)) if ttfts.size else None,
+            "load_imbalance": self.imbalance(workers),
+            "requests": len(self.results),
+            "failed": len(self.results) - len(ok),
+        }
+
+    def imbalance(self, workers: list[str]) -> float:
+        ok = [r for r in self.results if r.error is None and r.worker in workers]
+        if not ok:
+            return 1.0
+        windows = int(max(r.arrival_s for r in ok) // IMBALANCE_WINDOW_S) + 1
+        load = np.zeros((windows, len(workers)), dtype=np.int64)
+        column = {w: i for i, w in enumerate(workers)}
+        for r in ok:
+            window = int(r.arrival_s // IMBALANCE_WINDOW_S)
+            load[window, column[r.worker]] += r.prompt_tokens - r.cached_tokens
+        return load_imbalance(load)
+
+
+# -- processes ---------------------------------------------------------------------------------
+
+
+class Processes:
+    """Child ``kvmesh`` processes, each in its own session, logging to one file each."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.procs: dict[str, tuple[subprocess.Popen[bytes], IO[bytes]]] = {}
+
+    def start(self, name: str, args: list[str], env: dict[str, str] | None = None) -> None:
+        log = (self.log_dir / f"{name}.log").open("wb")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "app", *args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,  # Ctrl-C reaches the demo, which stops us in order
+        )
+        self.procs[name] = (proc, log)
+
+    def check(self, name: str) -> None:
+        proc, _ = self.procs[name]
+        if proc.poll() is not None:
+            tail = (self.log_dir / f"{name}.log").read_text(errors="replace")[-2_000:]
+            raise RuntimeError(f"{name} exited with status {proc.returncode}:\n{tail}")
+
+    def stop(self, names: list[str]) -> None:
+        """SIGTERM to each, then wait; SIGKILL what is still running after the grace period."""
+        for name in names:
+            proc, _ = self.procs[name]
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + _STOP_TIMEOUT_S
+        for name in names:
+            proc, log = self.procs.pop(name)
+            try:
+                proc.wait(max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            log.close()
+
+    def stop_all(self) -> None:
+        self.stop(list(self.procs))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _port_free(port: int) -> bool:
+    import socket
+
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def _wait_until(check: Any, what: str, procs: Processes, names: list[str]) -> None:
+    deadline = time.monotonic() + _READY_TIMEOUT_S
+    while True:
+        for name in names:
+            procs.check(name)
+        with contextlib.suppress(httpx.HTTPError):
+            if check():
+                return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} did not happen within {_READY_TIMEOUT_S:.0f} s")
+        time.sleep(0.1)
+
+
+# -- the workload ------------------------------------------------------------------------------
+
+
+async def drive(
+    base_url: str,
+    trace: list[TraceRequest],
+    tokens: TokenSource,
+    *,
+    speed: float,
+    max_output_tokens: int,
+    progress: bool,
+) -> list[RequestResult]:
+    """Send every request through the router at its (scaled) trace time; stream each answer."""
+    bar = _progress_bar(len(trace)) if progress else None
+    results = [RequestResult(r.timestamp_ms / 1000) for r in trace]
+    limits = httpx.Limits(max_connections=len(trace), max_keepalive_connections=64)
+    async with httpx.AsyncClient(base_url=base_url, timeout=300.0, limits=limits) as client:
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        tasks = []
+        for request, result in zip(trace, results, strict=True):
+            delay = request.timestamp_ms / 1000 / speed - (loop.time() - start)
+            if delay > 0:
+                await asyncio.sleep(delay)
+            body = {
+                "prompt": tokens.token_list(request),
+                "max_tokens": max(1, min(request.output_length, max_output_tokens)),
+                "stream": True,
+            }
+            tasks.append(asyncio.create_task(_one(client, body, result, bar)))
+        await asyncio.gather(*tasks)
+    if bar is not None:
+        bar.close()
+    return results
+
+
+async def _one(
+    client: httpx.AsyncClient, body: dict[str, Any], result: RequestResult, bar: Any
+) -> None:
+    start = time.perf_counter()
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            result.worker = response.headers.get("x-kvmesh-worker", "")
+            if response.status_code != 200:
+                await response.aread()
+                result.error = f"HTTP {response.status_code}: {response.text[:200]}"
+                return
+            async for line in response.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = orjson.loads(line[6:])
+                if result.ttft_s is None and chunk["choices"][0]["token_ids"]:
+                    result.ttft_s = time.perf_counter() - start
+                usage = chunk.get("usage")
+                if usage is not None:
+                    result.prompt_tokens = usage["prompt_tokens"]
+                    result.cached_tokens = usage["prompt_tokens_details"]["cached_tokens"]
+            result.e2e_s = time.perf_counter() - start
+            if not result.prompt_tokens:
+                result.error = "the stream ended without usage"
+    except httpx.HTTPError as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        if bar is not None:
+            bar.update(1)
+
+
+def _progress_bar(total: int) -> Any:
+    from tqdm import tqdm  # type: ignore[import-untyped]
+
+    return tqdm(total=total, unit="req", file=sys.stderr, leave=False, disable=None)
+
+
+# -- the demo ----------------------------------------------------------------------------------
+
+
+def format_table(summaries: dict[str, dict[str, Any]]) -> str:
+    lines = [
+        f"{'policy':<12} {'hit ratio':>9} {'TTFT p50':>9} {'TTFT p99':>9} "
+        f"{'imbalance':>9} {'requests':>8} {'failed':>6}"
+    ]
+    for policy, s in summaries.items():
+        p50 = f"{s['ttft_p50_s'] * 1e3:.0f} ms" if s["ttft_p50_s"] is not None else "-"
+        p99 = f"{s['ttft_p99_s'] * 1e3:.0f} ms" if s["ttft_p99_s"] is not None else "-"
+        lines.append(
+            f"{policy:<12} {s['hit_ratio']:>9.3f} {p50:>9} {p99:>9} "
+            f"{s['load_imbalance']:>9.2f} {s['requests']:>8} {s['failed']:>6}"
+        )
+    return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def _terminate_on_sigterm() -> Iterator[None]:
+    """SIGTERM becomes KeyboardInterrupt, so that both take the same way out."""
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def run_demo(options: DemoOptions, out: IO[str] = sys.stdout) -> dict[str, dict[str, Any]]:
+    """Run the demo (see the module docstring); returns the summary per policy."""
+    started = time.monotonic()
+    if not _port_free(options.port):
+        raise DemoError(f"port {options.port} is in use; choose another with --port")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
+    trace = load_trace(options.trace, limit=options.requests)
+    tokens = TokenSource(seed=0)
+    longest = max(r.input_length for r in trace) + options.max_output_tokens
+    max_seq_len = -(-longest // 16) * 16
+    admin_token = secrets.token_urlsafe(16)
+    summaries: dict[str, dict[str, Any]] = {}
+
+    def say(text: str) -> None:
+        print(text, file=out, flush=True)
+
+    with (
+        _terminate_on_sigterm(),
+        tempfile.TemporaryDirectory(prefix="kvmesh-demo-") as tmp,
+        contextlib.ExitStack() as stack,
+    ):
+        log_dir = Path(tmp)
+        redis_url = options.redis_url
+        if redis_url is None:
+            redis = stack.enter_context(EmbeddedRedis())
+            redis_url = redis.url
+        procs = Processes(log_dir)
+        stack.callback(procs.stop_all)  # before Redis stops: workers flush on the way out
+        base = f"http://127.0.0.1:{options.port}"
+        procs.start(
+            "router",
+            ["router", "--port", str(options.port), "--redis-url", redis_url],
+            env={"KVMESH_ADMIN_TOKEN": admin_token},
+        )
+        _wait_until(
+            lambda: httpx.get(f"{base}/health").status_code == 200, "the router", procs, ["router"]
+        )
+        say(f"kvmesh demo: dashboard at {base}/dashboard (logs in {log_dir})")
+        if options.browser:
+            with contextlib.suppress(Exception):
+                webbrowser.open(f"{base}/dashboard")
+        auth = {"Authorization": f"Bearer {admin_token}"}
+        workers: list[str] = []
+        for phase, policy in enumerate(POLICIES):
+            if workers:
+                procs.stop(workers)
+            workers = [f"{policy.replace('_', '-')}-{i}" for i in range(options.workers)]
+            for worker in workers:
+                port = _free_port()
+                procs.start(
+                    worker,
+                    [
+                        *("worker", "--worker-id", worker, "--port", str(port)),
+                        *("--redis-url", redis_url, "--max-seq-len", str(max_seq_len)),
+                        *("--num-gpu-blocks", str(options.blocks_per_worker)),
+                        *("--heartbeat-ttl-s", "2"),
+                    ],
+                )
+            response = httpx.put(f"{base}/policy", json={"policy": policy}, headers=auth)
+            response.raise_for_status()
+
+            def cluster_is(expected: list[str]) -> bool:
+                seen = httpx.get(f"{base}/workers").json()["workers"]
+                up = sorted(w["worker"] for w in seen if w["state"] == "up")
+                return up == sorted(expected)
+
+            _wait_until(
+                lambda expected=workers: cluster_is(expected),
+                f"{options.workers} workers up behind the router",
+                procs,
+                ["router", *workers],
+            )
+            say(
+                f"[{phase + 1}/{len(POLICIES)}] {policy}: {len(trace)} requests through "
+                f"{options.workers} fresh workers ..."
+            )
+            results = asyncio.run(
+                drive(
+                    base,
+                    trace,
+                    tokens,
+                    speed=options.speed,
+                    max_output_tokens=options.max_output_tokens,
+                    progress=options.progress,
+                )
+            )
+            phase_result = PhaseResult(policy, results)
+            summaries[policy] = phase_result.summary(workers)
+            for result in results:
+                if result.error is not None:
+                    say(f"  failed: {result.error}")
+        say("")
+        say(format_table(summaries))
+        say("")
+        if options.duration_s is None:
+            say(f"serving at {base} (dashboard: {base}/dashboard); Ctrl-C to stop")
+            while True:
+                for name in list(procs.procs):
+                    procs.check(name)
+                time.sleep(0.5)
+        remaining = options.duration_s - (time.monotonic() - started)
+        if remaining > 0:
+            say(f"serving at {base} for {remaining:.0f} s more")
+            time.sleep(remaining)
+    return summaries
