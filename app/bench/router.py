@@ -27,8 +27,8 @@ connections, then ``NUM_WARMUP`` one after the other).
 Timed: ``POST /route`` with ``{"prompt_token_ids": [...]}`` (bodies serialised beforehand with
 orjson), open loop: request ``i`` is due at ``start + i / rate`` whatever the answers before
 it; 1,000 requests/s for 10 s (``--quick``: 200/s for 1 s), cycling over the requests. Each is
-sent on an idle client from a pool of ``NUM_CLIENTS`` (one keep-alive connection each; one pool
-of many connections costs httpcore more CPU per request). Latency (``http_*_ms``) is measured
+sent on an idle connection from a pool of ``NUM_CLIENTS`` keep-alive connections, through a
+minimal HTTP/1.1 client (``_Connection``; httpx cost as much CPU per request as the router). Latency (``http_*_ms``) is measured
 from the request's due time to its answer parsed, so a client or router that falls behind shows
 up in it instead of silently lowering the rate; ``http_send_lag_p99_ms`` is how late requests
 left the client. An answer counts as an error unless it is a 200 naming one of the 16 workers.
@@ -374,15 +374,55 @@ class Outcome:
     machine_cpu_s: float | None = None
 
 
-async def _post(client: httpx.AsyncClient, body: bytes) -> dict[str, Any]:
-    """The answer to one ``/route``; ValueError unless it is a 200 naming a worker."""
-    response = await client.post(
-        "/route", content=body, headers={"Content-Type": "application/json"}
-    )
-    if response.status_code != 200:
-        raise ValueError(f"status {response.status_code}: {response.text[:200]}")
-    answer: dict[str, Any] = orjson.loads(response.content)
-    return answer
+class _Connection:
+    """One keep-alive HTTP/1.1 connection that POSTs JSON to ``/route``: the load generator.
+
+    httpx spent about 1 ms of CPU per request, as much as the router under test, and on two
+    cores the client's lag then shows as the router's latency. This is the least a client can
+    do: write the request, read the status line, the headers and Content-Length bytes."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, port
+        self._reader: asyncio.StreamReader | None = None
+        self._writer: asyncio.StreamWriter | None = None
+
+    async def post(self, body: bytes) -> dict[str, Any]:
+        """The answer to one ``/route``; ValueError unless it is a 200 naming a worker. After
+        any failure the connection is dropped (the next request opens a new one)."""
+        try:
+            return await self._post(body)
+        except BaseException:
+            writer, self._writer, self._reader = self._writer, None, None
+            if writer is not None:
+                writer.close()
+            raise
+
+    async def _post(self, body: bytes) -> dict[str, Any]:
+        if self._writer is None:
+            self._reader, self._writer = await asyncio.open_connection(self.host, self.port)
+        assert self._reader is not None
+        self._writer.write(
+            b"POST /route HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % (self.host.encode(), len(body)) + body
+        )
+        head = await self._reader.readuntil(b"\r\n\r\n")
+        status = int(head[9:12])
+        length = 0
+        for line in head.split(b"\r\n")[1:]:
+            name, _, value = line.partition(b":")
+            if name.lower() == b"content-length":
+                length = int(value)
+        content = await self._reader.readexactly(length)
+        if status != 200:
+            raise ValueError(f"status {status}: {content[:200]!r}")
+        answer: dict[str, Any] = orjson.loads(content)
+        return answer
+
+    async def aclose(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            with contextlib.suppress(OSError):
+                await self._writer.wait_closed()
 
 
 async def _drive(
@@ -393,23 +433,19 @@ async def _drive(
     duration_s: float,
     pids: dict[str, int | None],
 ) -> Outcome:
-    limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
-    timeout = httpx.Timeout(REQUEST_TIMEOUT_S)
+    host, _, port = base_url.removeprefix("http://").partition(":")
     workers = set(chosen)
     outcome = Outcome()
     async with contextlib.AsyncExitStack() as stack:
-        clients = [
-            await stack.enter_async_context(
-                httpx.AsyncClient(base_url=base_url, limits=limits, timeout=timeout)
-            )
-            for _ in range(NUM_CLIENTS)
-        ]
+        clients = [_Connection(host, int(port)) for _ in range(NUM_CLIENTS)]
+        for client in clients:
+            stack.push_async_callback(client.aclose)
         # Warm-up: one request per client at once (opens the connections), then one by one.
-        await asyncio.gather(*(_post(c, bodies[i]) for i, c in enumerate(clients)))
+        await asyncio.gather(*(c.post(bodies[i]) for i, c in enumerate(clients)))
         for i in range(NUM_WARMUP):
-            await _post(clients[0], bodies[i % len(bodies)])
+            await clients[0].post(bodies[i % len(bodies)])
 
-        idle: asyncio.Queue[httpx.AsyncClient] = asyncio.Queue()
+        idle: asyncio.Queue[_Connection] = asyncio.Queue()
         for client in clients:
             idle.put_nowait(client)
         clock = time.perf_counter
@@ -420,10 +456,10 @@ async def _drive(
             client = await idle.get()
             sent = clock()
             try:
-                answer = await _post(client, bodies[k])
+                answer = await asyncio.wait_for(client.post(bodies[k]), REQUEST_TIMEOUT_S)
                 if answer.get("worker") not in workers:
                     raise ValueError(f"unknown worker {answer.get('worker')!r}")
-            except (httpx.HTTPError, ValueError) as exc:
+            except (OSError, TimeoutError, ValueError, asyncio.IncompleteReadError) as exc:
                 outcome.num_errors += 1
                 if len(outcome.errors) < 5:
                     outcome.errors.append(f"{type(exc).__name__}: {exc}")

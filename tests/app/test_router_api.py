@@ -259,3 +259,27 @@ async def test_without_redis_the_router_routes_on_what_it_knew_and_says_so(
         embedded_redis.start()
         await eventually(lambda: runtime.readiness()["ready"], timeout_s=20)
         assert (await router.post("/route", json={"prompt": PROMPT})).json()["fresh"] is True
+
+
+async def test_the_fast_path_answers_as_the_full_route(clean_redis_url: str) -> None:
+    """A plain body takes the fast path; a query string sends the same body through FastAPI."""
+    async with cluster(clean_redis_url) as (router, runtime, _):
+        bodies: list[dict[str, Any]] = [
+            {"prompt_token_ids": PROMPT},
+            {"prompt": PROMPT[:40], "cache_salt": "s"},
+            {"prompt": PROMPT, "lora_task_id": 3},
+        ]
+        for body in bodies:
+            fast = (await router.post("/route", json=body)).json()
+            full = (await router.post("/route?explain=false", json=body)).json()
+            fast.pop("decision_us")
+            full.pop("decision_us")
+            assert fast == full
+        decisions = runtime.dashboard.decisions() or []
+        assert len(decisions) == 2 * len(bodies)
+        # Bodies the fast path leaves alone get the full route's errors.
+        bad = await router.post("/route", json={"prompt_token_ids": [1, 2**32]})
+        assert bad.json()["error"]["message"] == (
+            "prompt_token_ids: token ids must be within 0..2**32-1"
+        )
+        assert (await router.post("/route", content=b"{not json")).status_code == 400
