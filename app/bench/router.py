@@ -28,10 +28,11 @@ Timed: ``POST /route`` with ``{"prompt_token_ids": [...]}`` (bodies serialised b
 orjson), open loop: request ``i`` is due at ``start + i / rate`` whatever the answers before
 it; 1,000 requests/s for 10 s (``--quick``: 200/s for 1 s), cycling over the requests. Each is
 sent on an idle connection from a pool of ``NUM_CLIENTS`` keep-alive connections, through a
-minimal HTTP/1.1 client (``_Connection``; httpx cost as much CPU per request as the router). Latency (``http_*_ms``) is measured
-from the request's due time to its answer parsed, so a client or router that falls behind shows
-up in it instead of silently lowering the rate; ``http_send_lag_p99_ms`` is how late requests
-left the client. An answer counts as an error unless it is a 200 naming one of the 16 workers.
+minimal HTTP/1.1 client (``_Connection``; httpx cost as much CPU per request as the router).
+Latency (``http_*_ms``) is measured from the request's due time to its answer parsed, so a
+client or router that falls behind shows up in it instead of silently lowering the rate;
+``http_send_lag_p99_ms`` is how late requests left the client. An answer counts as an error
+unless it is a 200 naming one of the 16 workers.
 ``http_same_choice``: the fraction of answers that chose the worker the in-process core chose
 for the same prompt (the router sees the same index and loads, and ties are broken by a seed
 taken from the prompt, so anything below 1.0 means the two views differ).
@@ -52,7 +53,6 @@ import gc
 import logging
 import multiprocessing
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -61,7 +61,6 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from multiprocessing.synchronize import Event as EventType
-from pathlib import Path
 from typing import IO, Any
 
 import httpx
@@ -70,7 +69,7 @@ import orjson
 import uvloop
 
 from app.bench.index import NUM_WORKERS, SEED, TOKENS_PER_BLOCK, build_streaming, generate
-from app.bench.worker import _cpu_seconds, _free_port, _machine_busy_seconds
+from app.bench.worker import _cpu_seconds, _free_port, _machine_busy_seconds, kvmesh_process
 from app.redis_server import EmbeddedRedis
 from app.router.core import RouterCore
 from app.router.policy import RouteRequest, choose
@@ -304,23 +303,9 @@ def _publishers(
 @contextlib.contextmanager
 def _router(redis_url: str, port: int, log: IO[bytes]) -> Iterator[subprocess.Popen[bytes]]:
     """``kvmesh router`` on ``port``; SIGTERM (then SIGKILL) at the end."""
-    script = Path(sys.executable).parent / "kvmesh"
-    command = [str(script)] if script.exists() else [sys.executable, "-m", "app"]
     flags = ["--host", HOST, "--port", str(port), "--redis-url", redis_url]
-    env = {**os.environ, "KVMESH_LOG_LEVEL": "WARNING"}
-    proc = subprocess.Popen(
-        [*command, "router", *flags], stdout=log, stderr=subprocess.STDOUT, env=env
-    )
-    try:
+    with kvmesh_process(["router", *flags], log) as proc:
         yield proc
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
 
 
 def _log_tail(log: IO[bytes]) -> str:

@@ -383,12 +383,17 @@ def _worker(redis_url: str, port: int, log: IO[bytes]) -> Iterator[subprocess.Po
         "port": port,
         "redis_url": redis_url,
     }
+    with kvmesh_process(["worker", *worker_flags(options)], log) as proc:
+        yield proc
+
+
+@contextlib.contextmanager
+def kvmesh_process(args: list[str], log: IO[bytes]) -> Iterator[subprocess.Popen[bytes]]:
+    """``kvmesh ARGS`` logging to ``log`` at WARNING; SIGTERM (then SIGKILL) at the end."""
     script = Path(sys.executable).parent / "kvmesh"
     command = [str(script)] if script.exists() else [sys.executable, "-m", "app"]
     env = {**os.environ, "KVMESH_LOG_LEVEL": "WARNING"}
-    proc = subprocess.Popen(
-        [*command, "worker", *worker_flags(options)], stdout=log, stderr=subprocess.STDOUT, env=env
-    )
+    proc = subprocess.Popen([*command, *args], stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
         yield proc
     finally:

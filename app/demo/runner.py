@@ -177,7 +177,8 @@ def _free_port() -> int:
         return port
 
 
-def _port_free(port: int) -> bool:
+def port_is_free(port: int) -> bool:
+    """Whether a server could listen on ``port`` of 127.0.0.1 now."""
     import socket
 
     with socket.socket() as sock:
@@ -309,7 +310,7 @@ def _terminate_on_sigterm() -> Iterator[None]:
 def run_demo(options: DemoOptions, out: IO[str] = sys.stdout) -> dict[str, dict[str, Any]]:
     """Run the demo (see the module docstring); returns the summary per policy."""
     started = time.monotonic()
-    if not _port_free(options.port):
+    if not port_is_free(options.port):
         raise DemoError(f"port {options.port} is in use; choose another with --port")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
     trace = load_trace(options.trace, limit=options.requests)

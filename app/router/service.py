@@ -37,6 +37,7 @@ from redis.asyncio import Redis
 
 from app.dashboard.api import FrameHub
 from app.dashboard.state import DashboardState
+from app.http import uvicorn_config
 from app.router.core import RouterCore
 from app.router.metrics import RouterMetrics
 from app.router.settings import RouterSettings
@@ -379,17 +380,8 @@ def create_app(settings: RouterSettings, *, routing: bool = True) -> FastAPI:
 
 def serve(settings: RouterSettings, *, routing: bool = True) -> None:
     """Run the router (or the standalone dashboard) until SIGTERM/SIGINT (blocking)."""
-    config = uvicorn.Config(
-        create_app(settings, routing=routing),
-        host=settings.host,
-        port=settings.port,
-        loop="uvloop",
-        http="httptools",
-        log_level=settings.log_level.lower(),
-        access_log=False,
-        lifespan="on",
-        timeout_graceful_shutdown=5,
-    )
+    app = create_app(settings, routing=routing)
+    config = uvicorn_config(app, settings.host, settings.port, settings.log_level)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per proxied request
     _Server(config).run()
 

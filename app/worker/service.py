@@ -31,6 +31,7 @@ import uvicorn
 from fastapi import FastAPI
 from redis.asyncio import Redis
 
+from app.http import uvicorn_config
 from app.redis_server import EmbeddedRedis
 from app.worker.backend import Backend, SimBackend, SimTiming
 from app.worker.engine import Engine, EngineConfig, Job, VirtualClock
@@ -314,15 +315,5 @@ class _Server(uvicorn.Server):
 def serve(settings: WorkerSettings) -> None:
     """Run the worker until SIGTERM/SIGINT (blocking)."""
     app = create_app(settings)
-    config = uvicorn.Config(
-        app,
-        host=settings.host,
-        port=settings.port,
-        loop="uvloop",
-        http="httptools",
-        log_level=settings.log_level.lower(),
-        access_log=False,
-        lifespan="on",
-        timeout_graceful_shutdown=5,
-    )
+    config = uvicorn_config(app, settings.host, settings.port, settings.log_level)
     _Server(config, app).run()

@@ -46,6 +46,26 @@ async def eventually(condition: Callable[[], bool], timeout_s: float = 10.0) -> 
         await asyncio.sleep(0.01)
 
 
+def wait_for(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    """Poll ``condition`` (blocking) until it holds; fail the test after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"still false after {timeout_s} s"
+        time.sleep(0.02)
+
+
+def sim_worker_args(
+    worker_id: str, port: int, redis_url: str, *, num_blocks: int, heartbeat_ttl_s: float
+) -> list[str]:
+    """``kvmesh worker`` flags for a small, fast sim worker (1 ms steps, free prefill)."""
+    return [
+        *("--worker-id", worker_id, "--port", str(port), "--redis-url", redis_url),
+        *("--num-gpu-blocks", str(num_blocks), "--max-seq-len", "2048"),
+        *("--heartbeat-ttl-s", str(heartbeat_ttl_s)),
+        *("--sim-step-overhead-ms", "1", "--sim-prefill-us-per-token", "0"),
+    ]
+
+
 def index_holds(runtime: RouterRuntime, worker: str, num_blocks: int) -> Callable[[], bool]:
     def check() -> bool:
         per_worker = runtime.index.stats()["per_worker"]

@@ -15,7 +15,7 @@ import re
 import shutil
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -25,6 +25,7 @@ import playwright.sync_api as playwright_api
 import pytest
 
 from app.redis_server import EmbeddedRedis
+from tests.app.router_support import sim_worker_args, wait_for
 from tests.app.worker_support import free_port, service_process, wait_ready
 
 CHROMIUM = os.environ.get("KVMESH_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
@@ -40,19 +41,9 @@ SYSTEM = list(range(64))  # a 4-block "system prompt" for the screenshot
 
 
 def _worker_args(worker_id: str, port: int, redis_url: str) -> list[str]:
-    return [
-        *("--worker-id", worker_id, "--port", str(port), "--redis-url", redis_url),
-        *("--num-gpu-blocks", "256", "--max-seq-len", "2048"),
-        *("--heartbeat-ttl-s", str(HEARTBEAT_TTL_S)),
-        *("--sim-step-overhead-ms", "1", "--sim-prefill-us-per-token", "0"),
-    ]
-
-
-def _wait(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"still false after {timeout_s} s"
-        time.sleep(0.05)
+    return sim_worker_args(
+        worker_id, port, redis_url, num_blocks=256, heartbeat_ttl_s=HEARTBEAT_TTL_S
+    )
 
 
 def _complete(base: str, prompt: list[int], request_id: str, max_tokens: int = 2) -> str:
@@ -107,7 +98,7 @@ def cluster(embedded_redis: EmbeddedRedis) -> Iterator[dict[str, Any]]:
             states = [w["state"] for w in httpx.get(f"{base}/workers").json()["workers"]]
             return states == ["up", "up"]
 
-        _wait(both_up)
+        wait_for(both_up)
         yield {"base": base, "procs": procs, "router": router}
         router.send_signal(signal.SIGTERM)
         router.wait(timeout=15)
@@ -155,7 +146,7 @@ def test_dashboard_page_shows_the_cluster_live(
     # The same prompt twice (the second lands on the first's blocks), another prompt once.
     holder = _complete(base, PROMPT, "dash-a1")
     # (Not by asking /route: a routing decision counts as a request in the prefix map.)
-    _wait(lambda: _blocks(base, holder) >= len(PROMPT) // BLOCK)
+    wait_for(lambda: _blocks(base, holder) >= len(PROMPT) // BLOCK)
     assert _complete(base, PROMPT, "dash-a2") == holder
     other_holder = _complete(base, OTHER_PROMPT, "dash-b1")
     other = "w1" if holder == "w0" else "w0"

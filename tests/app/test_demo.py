@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from app.demo.runner import DEMO_TRACE, PhaseResult, RequestResult
+from app.demo.runner import DEMO_TRACE, PhaseResult, RequestResult, port_is_free
 from app.replay.trace import load_trace
 from tests.app.worker_support import free_port
 
@@ -31,15 +30,6 @@ def _children_alive(marker: str) -> list[str]:
         if marker in cmdline and "pytest" not in cmdline:
             found.append(cmdline)
     return found
-
-
-def _port_free(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
 
 
 def _demo(port: int, *extra: str) -> subprocess.Popen[str]:
@@ -69,7 +59,7 @@ def test_the_demo_compares_the_policies_and_leaves_nothing_behind() -> None:
     for row in rows.values():
         assert row[-2:] == ["24", "0"]  # requests, failed
         assert 0.0 <= float(row[1]) < 1.0
-    assert _port_free(port)
+    assert port_is_free(port)
     assert _children_alive(f"--port {port}") == []
 
 
@@ -86,7 +76,7 @@ def test_sigterm_half_way_stops_everything(tmp_path: Path) -> None:
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=60) == 130
     proc.stdout.close()
-    assert _port_free(port)
+    assert port_is_free(port)
     assert _children_alive("--worker-id kv-aware-") == []
     assert _children_alive(f"--port {port}") == []
 

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import signal
 import time
-from collections.abc import Callable
 from typing import Any
 
 import httpx
 import orjson
 
 from app.redis_server import EmbeddedRedis
+from tests.app.router_support import sim_worker_args, wait_for
 from tests.app.worker_support import free_port, service_process, wait_ready
 
 PROMPT = list(range(300, 400))  # 100 tokens: 6 full blocks of 16
@@ -20,19 +20,9 @@ HEARTBEAT_TTL_S = 2.0
 
 
 def _worker_args(worker_id: str, port: int, redis_url: str) -> list[str]:
-    return [
-        *("--worker-id", worker_id, "--port", str(port), "--redis-url", redis_url),
-        *("--num-gpu-blocks", "128", "--max-seq-len", "2048"),
-        *("--heartbeat-ttl-s", str(HEARTBEAT_TTL_S)),
-        *("--sim-step-overhead-ms", "1", "--sim-prefill-us-per-token", "0"),
-    ]
-
-
-def _wait(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"still false after {timeout_s} s"
-        time.sleep(0.02)
+    return sim_worker_args(
+        worker_id, port, redis_url, num_blocks=128, heartbeat_ttl_s=HEARTBEAT_TTL_S
+    )
 
 
 def _route(base: str) -> dict[str, Any]:
@@ -61,14 +51,14 @@ def test_router_process_routes_to_the_cache_and_survives_a_killed_worker(
         for worker, port in ports.items():
             wait_ready(f"http://127.0.0.1:{port}", procs[worker])
         wait_ready(base, router)
-        _wait(lambda: [w["state"] for w in _workers(base).values()] == ["up", "up"])
+        wait_for(lambda: [w["state"] for w in _workers(base).values()] == ["up", "up"])
 
         # The same prompt twice: the second lands where the first left its blocks.
         first = httpx.post(f"{base}/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
         assert first.status_code == 200
         holder = first.headers["x-kvmesh-worker"]
         assert first.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-        _wait(lambda: _route(base)["expected_cached_tokens"] == 96)
+        wait_for(lambda: _route(base)["expected_cached_tokens"] == 96)
         second = httpx.post(f"{base}/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
         assert second.headers["x-kvmesh-worker"] == holder
         # The worker reuses the 6 full blocks and 3 tokens of the partial 7th (partial reuse).
