@@ -131,7 +131,8 @@ class Processes:
         self.log_dir = log_dir
         self.procs: dict[str, tuple[subprocess.Popen[bytes], IO[bytes]]] = {}
 
-    def start(self, name: str, args: list[str], env: dict[str, str] | None = None) -> None:
+    def start(self, name: str, args: list[str], env: dict[str, str] | None = None) -> int:
+        """Start ``kvmesh ARGS`` as ``name``; its pid."""
         log = (self.log_dir / f"{name}.log").open("wb")
         proc = subprocess.Popen(
             [sys.executable, "-m", "app", *args],
@@ -141,6 +142,7 @@ class Processes:
             start_new_session=True,  # Ctrl-C reaches the demo, which stops us in order
         )
         self.procs[name] = (proc, log)
+        return proc.pid
 
     def check(self, name: str) -> None:
         proc, _ = self.procs[name]
@@ -182,6 +184,8 @@ def port_is_free(port: int) -> bool:
     import socket
 
     with socket.socket() as sock:
+        # As uvicorn binds: connections left in TIME_WAIT do not hold the port, a listener does.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind(("127.0.0.1", port))
         except OSError:
@@ -336,11 +340,12 @@ def run_demo(options: DemoOptions, out: IO[str] = sys.stdout) -> dict[str, dict[
         procs = Processes(log_dir)
         stack.callback(procs.stop_all)  # before Redis stops: workers flush on the way out
         base = f"http://127.0.0.1:{options.port}"
-        procs.start(
+        pid = procs.start(
             "router",
             ["router", "--port", str(options.port), "--redis-url", redis_url],
             env={"KVMESH_ADMIN_TOKEN": admin_token},
         )
+        say(f"  router: pid {pid}")
         _wait_until(
             lambda: httpx.get(f"{base}/health").status_code == 200, "the router", procs, ["router"]
         )
@@ -356,7 +361,7 @@ def run_demo(options: DemoOptions, out: IO[str] = sys.stdout) -> dict[str, dict[
             workers = [f"{policy.replace('_', '-')}-{i}" for i in range(options.workers)]
             for worker in workers:
                 port = _free_port()
-                procs.start(
+                pid = procs.start(
                     worker,
                     [
                         *("worker", "--worker-id", worker, "--port", str(port)),
@@ -365,6 +370,7 @@ def run_demo(options: DemoOptions, out: IO[str] = sys.stdout) -> dict[str, dict[
                         *("--heartbeat-ttl-s", "2"),
                     ],
                 )
+                say(f"  {worker}: pid {pid}, port {port}")
             response = httpx.put(f"{base}/policy", json={"policy": policy}, headers=auth)
             response.raise_for_status()
 
