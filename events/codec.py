@@ -26,7 +26,7 @@ Malformed input (bytes that are not msgpack, or msgpack of the wrong shape) rais
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from itertools import chain
 from operator import attrgetter
 from typing import Any, Final
@@ -51,6 +51,7 @@ __all__ = [
     "EventCodecError",
     "decode_events",
     "encode_events",
+    "iter_decode_events",
 ]
 
 TYPE_CREATED: Final = 0
@@ -331,3 +332,29 @@ def decode_events(data: bytes) -> list[KVCacheEvent]:
             f"malformed KV event batch: expected an array of events, got {_type_name(raw)}"
         )
     return [_decode_event(i, item) for i, item in enumerate(raw)]
+
+
+def iter_decode_events(data: bytes) -> Iterator[KVCacheEvent]:
+    """``decode_events``, one event at a time: for a large batch (a snapshot) whose reader
+    wants to give the event loop back between events. ``EventCodecError`` comes when the bad
+    event is reached (the events before it have been yielded)."""
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise EventCodecError(f"expected bytes, got {type(data).__name__}")
+    unpacker = msgpack.Unpacker(
+        use_list=False, raw=False, strict_map_key=True, max_buffer_size=max(len(data), 1)
+    )
+    unpacker.feed(data)
+    try:
+        count = unpacker.read_array_header()
+    except (msgpack.UnpackException, ValueError, TypeError) as exc:
+        raise EventCodecError(
+            f"malformed KV event batch: expected an array of events ({type(exc).__name__}: {exc})"
+        ) from exc
+    for i in range(count):
+        try:
+            item = unpacker.unpack()
+        except (msgpack.UnpackException, ValueError, TypeError, StopIteration) as exc:
+            raise _fail(f"event {i}", f"not msgpack ({type(exc).__name__}: {exc})") from exc
+        yield _decode_event(i, item)
+    if unpacker.tell() != len(data):
+        raise EventCodecError("malformed KV event batch: extra bytes after the events")

@@ -115,7 +115,8 @@ class Envelope:
                 events = _decode_json(self.data)
         except EnvelopeError:
             raise
-        except (EventCodecError, ValueError) as exc:
+        except (EventCodecError, ValueError, TypeError, OverflowError, RecursionError) as exc:
+            # Whatever the bytes hold, a bad batch is one EnvelopeError: counted, not a crash.
             raise EnvelopeError(f"data: {exc}") from exc
         if not events:
             if not self.is_marker:
@@ -134,11 +135,24 @@ class Envelope:
         return events
 
 
+def _refuse_constant(name: str) -> Any:
+    raise EnvelopeError(f"data: {name} is not a valid value in an event")
+
+
+def _refuse_float(text: str) -> Any:
+    # Every number in an event is an integer (ids, hashes, tokens, levels); int() of a float
+    # would silently truncate a hash, and of 1e400 (inf) raise OverflowError.
+    raise EnvelopeError(f"data: {text[:40]} is not an integer")
+
+
 def _decode_json(data: bytes) -> list[KVCacheEvent]:
     try:
-        raw = json.loads(data)
+        raw = json.loads(data, parse_constant=_refuse_constant, parse_float=_refuse_float)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise EnvelopeError(f"data: not a JSON document ({exc})") from exc
+    except RecursionError:
+        # json's C scanner recurses once per nesting level: 100k ``[`` exhaust the stack.
+        raise EnvelopeError("data: JSON nested too deeply") from None
     if not isinstance(raw, list):
         raise EnvelopeError(f"data: expected a JSON list of events, got {type(raw).__name__}")
     out: list[KVCacheEvent] = []
@@ -149,7 +163,7 @@ def _decode_json(data: bytes) -> list[KVCacheEvent]:
             raise EnvelopeError(f"data: event {i} is a {type(item).__name__}, not an object")
         try:
             out.append(KVCacheEvent.from_dict(item))
-        except (ValueError, AttributeError) as exc:
+        except (ValueError, AttributeError, TypeError, OverflowError, RecursionError) as exc:
             raise EnvelopeError(f"data: event {i}: {exc}") from exc
     return out
 

@@ -7,7 +7,7 @@ slot and can be written in one pipeline (or one ``MULTI``) on a cluster too::
     kvmesh:{<worker>}:snapshot          the worker's whole tree as replayable stored events
     kvmesh:{<worker>}:snapshot:request  set by a consumer that needs a fresher snapshot
     kvmesh:{<worker>}:load              hash: active sequences, free/used blocks, queue depth
-    kvmesh:{<worker>}:alive             heartbeat, a plain key with a TTL
+    kvmesh:{<worker>}:alive             heartbeat, "<epoch> <last event id>", with a TTL
     kvmesh:workers                      registry hash: worker id -> JSON entry
 
 Worker ids are checked (``validate_worker_id``) before any key is built, so a bad id fails

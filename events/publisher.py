@@ -13,7 +13,14 @@ The worker *pushes*: ``publish(events, dropped=n)`` is synchronous and never wai
 the batch with the time it received it and appends it to a bounded buffer. A background
 flusher task turns the buffer into stream entries (``events.envelope``): it waits up to
 ``linger_s`` for more batches unless ``max_entry_blocks`` are already waiting, then sends every
-entry it has in one pipeline of ``XADD ... MAXLEN ~ maxlen``. The flusher is the only task
+entry it has in one pipeline of ``XADD ... MINID ~ <retain_s before its last entry>``. The
+stream is trimmed by age, not by a count: a consumer that stalls for less than ``retain_s``
+(60 s) finds every entry after its position (or after the snapshot it loads) still there, so
+recovery cannot race trimming. ``maxlen`` (optional) caps the count on top of that, to bound
+Redis's memory at high rates; when it trims within ``retain_s`` a warning says so once (size
+it at least rate x retain_s). ``retain_s=None`` trims by ``maxlen`` alone (the old behaviour).
+A consumer's request for a fresh snapshot is read (``GETDEL``) in the same pipeline, so it is
+answered at the next flush, not a heartbeat later. The flusher is the only task
 that writes the stream and the snapshot, so their order is the order consumers see.
 
 Loss and recovery. While Redis is away the flusher retries with exponential backoff (with
@@ -26,12 +33,17 @@ skips every event the snapshot covers. Entries that a failed pipeline may or may
 written are sent again: consumers skip what they already applied (``seq_last <= last``).
 
 Other keys, kept by a heartbeat task every ``heartbeat_interval_s``: the registry entry
-(``kvmesh:workers``), the heartbeat key (``SET ... PX heartbeat_ttl_s``), a check that the
-snapshot still exists (a Redis restart without persistence loses it: then a new one is
+(``kvmesh:workers``), the heartbeat key (``SET ... PX heartbeat_ttl_s``, its value
+``"<epoch> <last event id received>"``, so that a consumer can tell it is behind), a check that
+the snapshot still exists (a Redis restart without persistence loses it: then a new one is
 written) and a consumer's request for a fresh snapshot. A load task writes the load hash every
 ``load_interval_s`` (with a TTL, so a dead worker's load disappears). Start: a snapshot, then
 the registry entry and heartbeat. ``aclose()`` flushes what is buffered (waiting at most
 ``close_timeout_s``), then removes the registry entry and the heartbeat key.
+
+An entry with the largest possible id (``18446744073709551615-18446744073709551615``, added by
+someone else) makes every later ``XADD`` fail for good: the publisher then deletes its stream
+and carries on in a new epoch (``num_stream_resets``), snapshot first.
 
 Epochs are time-based (microseconds << 12, plus 12 random bits), so a later start of the same
 worker has a larger epoch; consumers rely on that to tell old entries from new ones.
@@ -52,12 +64,12 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from types import TracebackType
-from typing import Any, Final, Protocol
+from typing import Any, Final, Protocol, cast
 
-from redis.asyncio import Redis
+from redis.asyncio import Redis, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from cache import KVCacheEvent, KVCacheManager, RemovedData, StoredData
 from events import keys
@@ -69,6 +81,7 @@ __all__ = [
     "EventPublisher",
     "EventSource",
     "client_for",
+    "is_cluster",
     "manager_load",
     "manager_registry_entry",
     "new_epoch",
@@ -81,6 +94,8 @@ logger = logging.getLogger(__name__)
 _MAX_U64: Final = 2**64 - 1
 # What a lost connection, a refused connection or a timeout look like from redis-py.
 REDIS_ERRORS: Final = (RedisError, OSError, TimeoutError)
+# What Redis answers an XADD to a stream whose last id is the largest possible.
+_STREAM_EXHAUSTED: Final = "exhausted the last possible ID"
 # Room for the envelope's other fields next to ``data`` when sizing an entry.
 _ENVELOPE_OVERHEAD: Final = 256
 
@@ -101,15 +116,35 @@ def new_epoch() -> int:
     return ((time.time_ns() // 1_000) << 12 | secrets.randbits(12)) & _MAX_U64
 
 
+CLUSTER_SCHEMES: Final = ("redis+cluster://", "rediss+cluster://")
+
+
 def redis_client(url: str, *, socket_timeout: float | None = 5.0) -> Redis:
-    """An asyncio client that fails fast: kvmesh's loops do their own retrying and backoff."""
+    """An asyncio client that fails fast: kvmesh's loops do their own retrying and backoff.
+
+    ``redis+cluster://host:port`` (or ``rediss+cluster://``) names a Redis Cluster by any of
+    its nodes: the client is then a ``RedisCluster``, typed as ``Redis`` because it speaks the
+    same commands; the few places that must differ ask ``is_cluster``. Every key of one worker
+    carries its id as a hash tag, so its stream, snapshot, load and heartbeat share a slot."""
+    connect_timeout = min(socket_timeout or 2.0, 2.0)
+    if url.startswith(CLUSTER_SCHEMES):
+        cluster = RedisCluster.from_url(  # it retries by itself when the topology changes
+            url.replace("+cluster", "", 1),
+            socket_timeout=socket_timeout,
+            socket_connect_timeout=connect_timeout,
+        )
+        return cast(Redis, cluster)
     client: Redis = Redis.from_url(
         url,
         socket_timeout=socket_timeout,
-        socket_connect_timeout=min(socket_timeout or 2.0, 2.0),
+        socket_connect_timeout=connect_timeout,
         retry=Retry(NoBackoff(), 0),
     )
     return client
+
+
+def is_cluster(client: Redis) -> bool:
+    return isinstance(client, RedisCluster)
 
 
 def client_for(redis: Redis | str, *, socket_timeout: float | None = 5.0) -> tuple[Redis, bool]:
@@ -208,7 +243,8 @@ class EventPublisher:
         load_source: Callable[[], Mapping[str, int | float | str]] | None = None,
         epoch: int | None = None,
         fmt: str = FMT_MSGPACK,
-        maxlen: int = 10_000,
+        maxlen: int | None = 10_000,
+        retain_s: float | None = 60.0,
         max_entry_blocks: int = 4_096,
         max_entry_bytes: int = DEFAULT_MAX_ENTRY_BYTES,
         linger_s: float = 0.002,
@@ -225,7 +261,8 @@ class EventPublisher:
         if fmt not in FORMATS:
             raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
         for name, value in (
-            ("maxlen", maxlen),
+            ("maxlen", 1 if maxlen is None else maxlen),
+            ("retain_s", 1 if retain_s is None else retain_s),
             ("max_entry_blocks", max_entry_blocks),
             ("max_entry_bytes", max_entry_bytes),
             ("max_buffer_blocks", max_buffer_blocks),
@@ -238,6 +275,7 @@ class EventPublisher:
         self.epoch = new_epoch() if epoch is None else epoch
         self.fmt = fmt
         self.maxlen = maxlen
+        self.retain_s = retain_s
         self.max_entry_blocks = max_entry_blocks
         self.max_entry_bytes = max_entry_bytes
         self.linger_s = linger_s
@@ -280,6 +318,8 @@ class EventPublisher:
         self.num_dropped = 0  # events lost (buffer overflow, oversized, reported by the caller)
         self.num_snapshots = 0
         self.num_errors = 0
+        self.num_stream_resets = 0  # streams deleted because no entry could be added any more
+        self.num_capped_trims = 0  # flushes where maxlen trimmed what retain_s would keep
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -442,6 +482,8 @@ class EventPublisher:
             "dropped": self.num_dropped,
             "snapshots": self.num_snapshots,
             "errors": self.num_errors,
+            "stream_resets": self.num_stream_resets,
+            "capped_trims": self.num_capped_trims,
             "buffered_blocks": self._buffered_blocks,
             "buffered_batches": len(self._buffer),
         }
@@ -607,6 +649,7 @@ class EventPublisher:
         if snapshot is None and not fields:
             return
         self._inflight = True
+        minid = self._trim_minid()
         try:
             async with self._redis.pipeline(transaction=False) as pipe:
                 if snapshot is not None:
@@ -615,9 +658,16 @@ class EventPublisher:
                     pipe.xadd(
                         self._stream_key,
                         entry_fields,  # type: ignore[arg-type]
-                        maxlen=self.maxlen,
+                        maxlen=self.maxlen if minid is None else None,
+                        minid=minid,
                         approximate=True,
                     )
+                if fields and minid is not None and self.maxlen is not None:
+                    pipe.xtrim(self._stream_key, maxlen=self.maxlen, approximate=True)
+                # A consumer's request for a fresh snapshot is answered at the next flush, not
+                # only at the next heartbeat: the sooner it is written, the less of the stream
+                # after it can be trimmed before the consumer reads it.
+                pipe.getdel(keys.snapshot_request_key(self.worker_id))
                 results = await pipe.execute()
         except BaseException:
             if snapshot is not None:
@@ -629,13 +679,53 @@ class EventPublisher:
             self._inflight = False
         if snapshot is not None:
             self.num_snapshots += 1
+        if results[-1]:
+            logger.info("publisher %s: a consumer asked for a snapshot", self.worker_id)
+            self.request_snapshot()
         if fields:
-            last_id = results[-1]
+            if minid is not None and self.maxlen is not None:
+                capped = results[-2]
+                if capped and not self.num_capped_trims:
+                    logger.warning(
+                        "publisher %s: the stream reached maxlen (%d entries) within retain_s "
+                        "(%.0f s): a consumer that falls further behind must resynchronise",
+                        self.worker_id,
+                        self.maxlen,
+                        self.retain_s,
+                    )
+                self.num_capped_trims += bool(capped)
+            last_id = results[len(fields) - 1 + (snapshot is not None)]
             self._last_stream_id = last_id.decode() if isinstance(last_id, bytes) else last_id
         self.num_entries += len(fields)
         for entry in entries:
             self.num_events += len(entry.events)
             self.num_blocks += entry.weight
+
+    def _trim_minid(self) -> str | None:
+        """``MINID`` for the next ``XADD``s: ``retain_s`` before our last entry, by the id
+        Redis gave it (the server's clock, not ours); None: trim by ``maxlen`` alone."""
+        if self.retain_s is None:
+            return None
+        last_ms = int(self._last_stream_id.partition("-")[0])
+        oldest_ms = last_ms - int(self.retain_s * 1000)
+        return f"{oldest_ms}-0" if last_ms and oldest_ms > 0 else None
+
+    async def _replace_stream(self, exc: ResponseError) -> None:
+        """Our stream holds the largest possible entry id (``XADD`` of
+        ``18446744073709551615-18446744073709551615``, by someone else): nothing can be added
+        after it, ever. Delete the stream and carry on in a new epoch; the next flush writes a
+        snapshot first, so consumers resynchronise onto the new stream."""
+        logger.error(
+            "publisher %s: the stream cannot take entries any more (%s); deleting it and "
+            "starting epoch anew",
+            self.worker_id,
+            exc,
+        )
+        await self._redis.delete(self._stream_key)
+        self.epoch = new_epoch()
+        self._last_stream_id = "0-0"
+        self._need_snapshot = True
+        self.num_stream_resets += 1
 
     async def _run_flusher(self) -> None:
         backoff = self.backoff_initial_s
@@ -650,7 +740,14 @@ class EventPublisher:
             if not self._closing:
                 self._full.clear()
             try:
-                await self._flush_once()
+                try:
+                    await self._flush_once()
+                except ResponseError as exc:
+                    if _STREAM_EXHAUSTED not in str(exc):
+                        raise
+                    await self._replace_stream(exc)
+                    self._wakeup.set()
+                    continue
             except REDIS_ERRORS as exc:
                 raise_if_cancelled()
                 self.num_errors += 1
@@ -697,9 +794,11 @@ class EventPublisher:
     async def _heartbeat_once(self) -> None:
         async with self._redis.pipeline(transaction=False) as pipe:
             pipe.hset(keys.WORKERS_KEY, self.worker_id, self._registry_json())
+            # "<epoch> <last event id received>": a consumer that has not applied that id
+            # within its stale_after_s reports this worker stale (its index is behind).
             pipe.set(
                 keys.alive_key(self.worker_id),
-                str(self.epoch),
+                f"{self.epoch} {self._last_seq}",
                 px=int(self.heartbeat_ttl_s * 1000),
             )
             pipe.getdel(keys.snapshot_request_key(self.worker_id))

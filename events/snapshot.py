@@ -27,20 +27,21 @@ Errors::
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Final
 
 import msgpack  # type: ignore[import-untyped]
 
 from cache import KVCacheBlock, KVCacheEvent, KVCacheManager, StoredBlock, StoredData
-from events.codec import EventCodecError, decode_events, encode_events
+from events.codec import EventCodecError, encode_events, iter_decode_events
 
 __all__ = [
     "Snapshot",
     "SnapshotError",
     "SnapshotSource",
     "decode_snapshot",
+    "decode_snapshot_lazily",
     "encode_snapshot",
     "manager_snapshot",
 ]
@@ -155,6 +156,22 @@ def _field(raw: dict[Any, Any], name: str, kind: type) -> Any:
 
 def decode_snapshot(data: bytes) -> Snapshot:
     """Read back what ``encode_snapshot`` wrote; raises ``SnapshotError`` (a ``ValueError``)."""
+    raw, event_id, epoch = _unpack(data)
+    events = list(_events(_field(raw, "data", bytes)))
+    return _header(raw, events, event_id, epoch)
+
+
+def decode_snapshot_lazily(data: bytes) -> tuple[Snapshot, Iterator[KVCacheEvent]]:
+    """The snapshot's header (``events`` left empty) and its events, decoded as they are
+    iterated (a large snapshot takes a while: its reader can give the event loop back between
+    events). Errors in the header raise at once, errors in an event when it is reached; both
+    are ``SnapshotError``."""
+    raw, event_id, epoch = _unpack(data)
+    events = _events(_field(raw, "data", bytes))
+    return _header(raw, [], event_id, epoch), events
+
+
+def _unpack(data: bytes) -> tuple[dict[Any, Any], int, int]:
     try:
         raw = msgpack.unpackb(data, raw=False, strict_map_key=True)
     except (msgpack.UnpackException, ValueError, TypeError) as exc:
@@ -170,10 +187,10 @@ def decode_snapshot(data: bytes) -> Snapshot:
     event_id = _field(raw, "event_id", int)
     if event_id < -1:
         raise SnapshotError(f"malformed snapshot: event_id: {event_id} is out of range")
-    try:
-        events = decode_events(_field(raw, "data", bytes))
-    except EventCodecError as exc:
-        raise SnapshotError(f"malformed snapshot: data: {exc}") from exc
+    return raw, event_id, epoch
+
+
+def _header(raw: dict[Any, Any], events: list[KVCacheEvent], event_id: int, epoch: int) -> Snapshot:
     return Snapshot(
         events=events,
         event_id=event_id,
@@ -182,3 +199,10 @@ def decode_snapshot(data: bytes) -> Snapshot:
         worker=_field(raw, "worker", str),
         ts_us=_field(raw, "ts", int),
     )
+
+
+def _events(data: bytes) -> Iterator[KVCacheEvent]:
+    try:
+        yield from iter_decode_events(data)
+    except EventCodecError as exc:
+        raise SnapshotError(f"malformed snapshot: data: {exc}") from exc

@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from app.redis_server import EmbeddedRedis
+from app.redis_server import EmbeddedCluster, EmbeddedRedis
 from app.router.service import RouterRuntime
 from tests.app.router_support import eventually, router_client, router_settings
 from tests.app.worker_support import AUTH, worker_client, worker_settings
@@ -283,3 +283,17 @@ async def test_the_fast_path_answers_as_the_full_route(clean_redis_url: str) -> 
             "prompt_token_ids: token ids must be within 0..2**32-1"
         )
         assert (await router.post("/route", content=b"{not json")).status_code == 400
+
+
+async def test_the_router_and_workers_on_a_redis_cluster() -> None:
+    with EmbeddedCluster(3) as redis_cluster:
+        async with cluster(redis_cluster.url) as (router, runtime, _):
+            body = (await router.post("/route", json={"prompt": PROMPT})).json()
+            assert (body["worker"], body["expected_cached_tokens"], body["fresh"]) == (
+                "w0",
+                96,
+                True,
+            )
+            assert runtime.readiness()["ready"]
+            workers = {w["worker"]: w for w in (await router.get("/workers")).json()["workers"]}
+            assert [workers[w]["state"] for w in ("w0", "w1")] == ["up", "up"]

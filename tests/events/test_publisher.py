@@ -68,7 +68,7 @@ async def test_start_writes_snapshot_registry_heartbeat_and_load(clean_redis_url
                 "fmt": "msgpack",
                 "heartbeat_ttl_s": 1.0,
             }
-            assert await client.get(keys.alive_key("w0")) == str(publisher.epoch).encode()
+            assert await client.get(keys.alive_key("w0")) == f"{publisher.epoch} -1".encode()
             assert 0 < await client.pttl(keys.alive_key("w0")) <= 1000
             await publisher._load_once()
             load = await client.hgetall(keys.load_key("w0"))
