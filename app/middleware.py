@@ -2,7 +2,10 @@
 
 ``BodyLimit`` refuses a request body over ``max_bytes`` with 413, in OpenAI's error shape: at
 once when its Content-Length says so (a Content-Length that is not a number is a 400), else as
-soon as the bytes received pass the limit while the body streams in (chunked uploads).
+soon as the bytes received pass the limit while the body streams in (chunked uploads). The
+framework's handler answers that 413 when the framework reads the body; when something else
+read it (a middleware such as the router's fast path) and let the error through, ``BodyLimit``
+answers it itself, so it never becomes a 500.
 """
 
 from __future__ import annotations
@@ -17,6 +20,11 @@ __all__ = ["BodyLimit", "error_body"]
 def error_body(message: str, kind: str, param: str | None = None) -> dict[str, object]:
     """OpenAI's error shape."""
     return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+
+
+class _BodyTooLarge(HTTPException):
+    """The body passed the limit while it streamed in (an HTTPException, so that the
+    framework's own handler answers it when the framework is the one reading)."""
 
 
 class BodyLimit:
@@ -50,10 +58,22 @@ class BodyLimit:
                 if received > self.max_bytes:
                     # Raised inside the framework's body reading, which lets HTTPException
                     # through to the app's handler (any other error becomes a 400 there).
-                    raise HTTPException(413, self._too_large())
+                    raise _BodyTooLarge(413, self._too_large())
             return message
 
-        await self.app(scope, limited_receive, send)
+        started = False
+
+        async def tracked_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, tracked_send)
+        except _BodyTooLarge:
+            if started:
+                raise
+            await _reply(send, 413, self._too_large())
 
 
 async def _reply(send: Send, status: int, message: str) -> None:

@@ -1,8 +1,9 @@
 """The router process: an ``EventConsumer`` filling a ``PrefixIndex``, a ``RouterCore`` deciding,
 an HTTP client proxying, and the loop that keeps the core's view of the workers current.
 
-``RouterRuntime.start(settings)`` builds everything (nothing at import time) and starts two
-tasks on the event loop:
+``RouterRuntime.start(settings)`` builds everything (nothing at import time; a Redis that
+refuses the URL's credentials stops it, see ``app.redis_access``) and starts two tasks on the
+event loop:
 
 * the consumer (``events.consumer``): every registered worker's stream into the index; it gives
   the loop back every ``step_budget_ms`` so that requests never wait long behind it;
@@ -15,8 +16,9 @@ tasks on the event loop:
 A worker's data is *stale* (reported in ``/workers``, ``/ready``, metrics and every decision,
 never silently used as fresh) when the consumer is resynchronising it, when the entries it has
 not read yet are older than ``max_lag_ms``, when its heartbeat is late (under a third of its TTL
-left), when it has published no load, or while Redis does not answer (the router then routes
-on what it last knew).
+left), when its heartbeat reports an event id the consumer has not applied within 2 s
+(``behind_heartbeat``), when it has published no load, or while Redis does not answer (the
+router then routes on what it last knew).
 """
 
 from __future__ import annotations
@@ -38,13 +40,14 @@ from redis.asyncio import Redis
 from app.dashboard.api import FrameHub
 from app.dashboard.state import DashboardState
 from app.http import uvicorn_config
+from app.redis_access import RedisCredentialsError, check_credentials
 from app.router.core import RouterCore
 from app.router.metrics import RouterMetrics
 from app.router.settings import RouterSettings
 from events import keys
 from events.consumer import EventConsumer, WorkerState
 from events.index import PrefixIndex
-from events.publisher import REDIS_ERRORS, redis_client
+from events.publisher import REDIS_ERRORS, raise_if_cancelled, redis_client
 
 __all__ = ["RouterRuntime", "WorkerStatus", "create_app", "serve"]
 
@@ -109,9 +112,13 @@ class RouterRuntime:
     async def start(cls, settings: RouterSettings, *, routing: bool = True) -> RouterRuntime:
         if settings.redis_url is None:
             raise ValueError("redis_url: the router reads the workers' streams; give their Redis")
-        runtime = cls(
-            settings, redis_client(settings.redis_url, socket_timeout=5.0), routing=routing
-        )
+        redis = redis_client(settings.redis_url, socket_timeout=5.0)
+        try:
+            await check_credentials(redis, "router" if routing else "dashboard")
+        except RedisCredentialsError:
+            await redis.aclose()
+            raise
+        runtime = cls(settings, redis, routing=routing)
         if settings.tokenizer is not None:
             from tokenizers import Tokenizer
 
@@ -151,6 +158,9 @@ class RouterRuntime:
             except Exception:
                 self.num_sync_errors += 1
                 logger.exception("router: sync error")
+            # redis-py may swallow the cancellation of aclose() mid-command (or turn it into a
+            # connection error): without this check the loop would never stop.
+            raise_if_cancelled()
             await asyncio.sleep(self.settings.sync_interval_s)
 
     async def sync_once(self) -> None:
@@ -214,6 +224,8 @@ class RouterRuntime:
     def _stale_reason(self, state: WorkerState, status: WorkerStatus) -> str | None:
         if not state.synced:
             return "resyncing"
+        if state.stale is not None:  # its heartbeat reports events this index has not got
+            return state.stale
         if status.lag_ms > self.settings.max_lag_ms:
             return "lagging"
         if (
@@ -229,6 +241,8 @@ class RouterRuntime:
     async def _read_loads(self) -> None:
         states = [s for s in self.consumer.workers().values() if s.alive]
         if not states:
+            # Still ask Redis, so that redis_ok (and /ready) is true only when Redis answers.
+            await self.redis.ping()
             return
         async with self.redis.pipeline(transaction=False) as pipe:
             for state in states:

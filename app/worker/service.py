@@ -1,7 +1,8 @@
 """The worker process: ``WorkerRuntime`` (everything one worker owns), ``create_app`` and ``serve``.
 
-``WorkerRuntime.start(settings)`` builds, in order: the embedded Redis when no URL is given,
-the ``KVCacheManager`` and its torch pools, the back-end, the engine, and the
+``WorkerRuntime.start(settings)`` builds, in order: the embedded Redis when no URL is given
+(else it checks that Redis takes the URL's credentials: ``app.redis_access``), the
+``KVCacheManager`` and its torch pools, the back-end, the engine, and the
 ``EventPublisher`` (whose start writes the first snapshot, the registry entry and the
 heartbeat); then it starts the engine task. ``aclose`` stops admitting, stops the engine,
 flushes the events and unregisters (the publisher's ``aclose``), and stops the embedded Redis.
@@ -32,6 +33,7 @@ from fastapi import FastAPI
 from redis.asyncio import Redis
 
 from app.http import uvicorn_config
+from app.redis_access import RedisCredentialsError, check_credentials
 from app.redis_server import EmbeddedRedis
 from app.worker.backend import Backend, SimBackend, SimTiming
 from app.worker.engine import Engine, EngineConfig, Job, VirtualClock
@@ -123,6 +125,12 @@ class WorkerRuntime:
             logger.info(
                 "worker %s: started a private redis-server at %s", settings.worker_id, redis_url
             )
+        redis = redis_client(redis_url, socket_timeout=1.0)
+        try:
+            await check_credentials(redis, f"worker {settings.worker_id}")
+        except RedisCredentialsError:
+            await redis.aclose()
+            raise
         mgr = build_manager(settings)
         backend = build_backend(settings, mgr)
         # The hasher is compiled on first use (numba): pay that now, not in the first request.
@@ -163,6 +171,7 @@ class WorkerRuntime:
             registry_entry=registry,
             load_source=lambda: engine.load,
             maxlen=settings.stream_maxlen,
+            retain_s=settings.stream_retain_s,
             heartbeat_ttl_s=settings.heartbeat_ttl_s,
             heartbeat_interval_s=min(1.0, settings.heartbeat_ttl_s / 3),
             load_interval_s=0.5,
@@ -175,7 +184,7 @@ class WorkerRuntime:
             engine,
             publisher,
             metrics,
-            redis_client(redis_url, socket_timeout=1.0),
+            redis,
             embedded,
         )
         metrics.bind(runtime)

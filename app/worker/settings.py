@@ -128,7 +128,12 @@ class WorkerSettings(Settings):
     events_ring_blocks: int = Field(
         4_096, gt=0, description="recent events kept for GET /events, counted in blocks"
     )
-    stream_maxlen: int = Field(10_000, gt=0, description="approximate MAXLEN of the event stream")
+    stream_retain_s: float = Field(
+        60.0, gt=0, description="seconds of events the stream keeps (XADD MINID ~)"
+    )
+    stream_maxlen: int = Field(
+        100_000, gt=0, description="cap on the stream's entries on top of the retention"
+    )
     heartbeat_ttl_s: float = Field(5.0, gt=0, description="heartbeat key lifetime")
 
     @model_validator(mode="after")
