@@ -26,6 +26,7 @@ BENCHMARKS: dict[str, str] = {
     "redis": "app.bench.redis_rtt:run",
     "worker": "app.bench.worker:run",
     "router": "app.bench.router:run",
+    "faults": "app.bench.faults:run",
 }
 
 
