@@ -260,6 +260,8 @@ class EventConsumer:
         self.num_errors = 0
         self.num_redis_restarts = 0
         self.apply_lag_ms = 0.0
+        self.num_bad_registry_entries = 0
+        self._bad_registry: dict[bytes, bytes] = {}
         self.num_yields = 0  # times a batch or a snapshot was split to give the loop back
         self.num_stale_reports = 0  # workers found behind their heartbeat (WorkerState.stale)
         self.num_memory_releases = 0  # malloc_trim calls after an oversized entry was read
@@ -357,6 +359,7 @@ class EventConsumer:
             "redis_restarts": self.num_redis_restarts,
             "apply_lag_ms": round(self.apply_lag_ms, 3),
             "yields": self.num_yields,
+            "bad_registry_entries": self.num_bad_registry_entries,
             "stale_workers": sum(s.stale is not None for s in self._workers.values()),
             "stale_reports": self.num_stale_reports,
             "memory_releases": self.num_memory_releases,
@@ -498,7 +501,12 @@ class EventConsumer:
                 if not isinstance(info, dict):
                     raise ValueError("registry entry is not an object")
             except (ValueError, UnicodeDecodeError) as exc:
-                logger.warning("consumer: bad registry entry %r: %s", name[:80], exc)
+                # Logged and counted once per name and value: the registry is read every
+                # half second, and a forged entry would otherwise fill the log.
+                if self._bad_registry.get(name) != value:
+                    self._bad_registry[name] = value
+                    self.num_bad_registry_entries += 1
+                    logger.warning("consumer: bad registry entry %r: %s", name[:80], exc)
                 continue
             registered[worker_id] = info
         for worker_id in list(self._workers):

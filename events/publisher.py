@@ -295,6 +295,7 @@ class EventPublisher:
         self._buffer: deque[_Batch] = deque()
         self._buffered_blocks = 0
         self._carry_dropped = 0  # lost events with no batch after them yet
+        self._dropped_in_outage = 0  # events dropped since writing last worked
         self._last_seq = -1  # highest event id received
         self._source_dropped_seen = 0
         self._need_snapshot = True
@@ -516,12 +517,15 @@ class EventPublisher:
                 self._buffer[0].dropped += lost
             else:
                 self._carry_dropped += lost
-            logger.warning(
-                "publisher %s: buffer full (%d blocks), dropped %d events",
-                self.worker_id,
-                self.max_buffer_blocks,
-                lost,
-            )
+            # One line per outage, not per batch: the count comes when writing works again.
+            if not self._dropped_in_outage:
+                logger.warning(
+                    "publisher %s: buffer full (%d blocks); dropping the oldest events until "
+                    "Redis takes writes again (consumers will resynchronise)",
+                    self.worker_id,
+                    self.max_buffer_blocks,
+                )
+            self._dropped_in_outage += lost
 
     def _take_entries(self) -> list[_Entry]:
         """Pop every buffered batch, grouped into entries (new entry at a drop or when full)."""
@@ -769,6 +773,13 @@ class EventPublisher:
                 continue
             if self._failing:
                 logger.info("publisher %s: Redis writes succeed again", self.worker_id)
+            if self._dropped_in_outage:
+                logger.warning(
+                    "publisher %s: %d events were dropped while Redis refused writes",
+                    self.worker_id,
+                    self._dropped_in_outage,
+                )
+                self._dropped_in_outage = 0
             self._failing = False
             backoff = self.backoff_initial_s
             if self._is_drained():

@@ -370,3 +370,63 @@ async def test_a_64_mib_entry_does_not_raise_the_consumers_rss_for_good(
     assert (stats["oversized"], stats["malformed"], stats["resyncs"]) == (1, 1, 0)
     assert stats["memory_releases"] == 1
     assert after - before < 16, (before, after)
+
+
+async def test_forged_registry_entries_and_other_workers_entries_are_skipped(
+    clean_redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A registry entry that is not a JSON object or names a bad worker id, a stream of a worker
+    nobody registered, an entry in w0's stream claiming to be w1's, one repeating ids already
+    applied, and one with negative ids: each counted or ignored, none applied, w0 exact."""
+    caplog.set_level(logging.INFO, logger="events")
+    workload = Workload(seed=850)
+    client: Any = aioredis.Redis.from_url(clean_redis_url)
+    publisher = make_publisher(clean_redis_url, "w0", workload)
+    workers = {"w0": (workload, publisher)}
+    try:
+        async with publisher, make_consumer(clean_redis_url) as consumer:
+            await drive(workload, publisher, 20)
+            await assert_index_exact(consumer, workers)
+            await client.hset(keys.WORKERS_KEY, "ghost", b"not json")
+            await client.hset(keys.WORKERS_KEY, "list", b"[1, 2]")
+            await client.hset(keys.WORKERS_KEY, "bad{id}", b"{}")
+            # A stream for a worker that is not registered: never read.
+            stray = KVCacheEvent(0, StoredData(None, [StoredBlock(777, (1,))]), WINDOW)
+            await client.xadd(
+                keys.events_key("nobody"), make_envelope("nobody", 1, [stray]).fields()
+            )
+            # In w0's stream: an entry signed as w1, one repeating applied ids.
+            other = make_envelope("w1", publisher.epoch, [stray]).fields()
+            wrong_worker = await client.xadd(keys.events_key("w0"), other)
+            repeat = KVCacheEvent(0, StoredData(None, [StoredBlock(778, (1,))]), WINDOW)
+            await client.xadd(
+                keys.events_key("w0"), make_envelope("w0", publisher.epoch, [repeat]).fields()
+            )
+            negative = make_envelope("w0", publisher.epoch, [], next_seq=1).fields()
+            negative["seq_first"] = "-5"
+            negative_id = await client.xadd(keys.events_key("w0"), negative)
+            await drive(workload, publisher, 20)
+            await assert_index_exact(consumer, workers)
+            await wait_until(lambda: consumer.num_bad_registry_entries == 3)
+            await asyncio.sleep(0.2)  # a few more registry reads: no more lines, no more counts
+            stats = consumer.stats()
+            followed = sorted(consumer.workers())
+    finally:
+        await client.aclose()
+    assert followed == ["w0"]
+    assert (stats["malformed"], stats["resyncs"], stats["errors"]) == (2, 0, 0)
+    assert stats["skipped_entries"] >= 1  # the repeated ids
+    assert 777 not in index_blocks(consumer.index, "w0")
+    assert 778 not in index_blocks(consumer.index, "w0")
+    skipped = _messages(caplog, "skipped entry")
+    assert [m.split(":")[1].strip() for m in skipped] == [
+        f"skipped entry {wrong_worker!r} of w0",
+        f"skipped entry {negative_id!r} of w0",
+    ]
+    assert stats["bad_registry_entries"] == 3
+    assert sorted(_messages(caplog, "bad registry entry")) == [
+        "consumer: bad registry entry b'bad{id}': worker id 'bad{id}' must not contain braces "
+        "(Redis hash tags)",
+        "consumer: bad registry entry b'ghost': Expecting value: line 1 column 1 (char 0)",
+        "consumer: bad registry entry b'list': registry entry is not an object",
+    ]
