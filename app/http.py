@@ -137,7 +137,10 @@ def install_error_handlers(app: FastAPI) -> None:
 
 def uvicorn_config(app: FastAPI, host: str, port: int, log_level: str) -> uvicorn.Config:
     """How every kvmesh service runs: uvloop and httptools, no access log (a line per request
-    costs more than the request), five seconds to finish in-flight requests on shutdown."""
+    costs more than the request), five seconds to finish in-flight requests on shutdown, and
+    idle keep-alive connections kept 75 s: longer than clients keep theirs (httpx: 5 s), so
+    that a client never sends on a connection the server is closing at that moment (a
+    ReadError, seen under load with uvicorn's own 5 s)."""
     return uvicorn.Config(
         app,
         host=host,
@@ -148,4 +151,5 @@ def uvicorn_config(app: FastAPI, host: str, port: int, log_level: str) -> uvicor
         access_log=False,
         lifespan="on",
         timeout_graceful_shutdown=5,
+        timeout_keep_alive=75,
     )
