@@ -161,6 +161,28 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_redis_flag(trtllm)
     trtllm.set_defaults(handler=_cmd_ingest_trtllm)
+    for source, what in (("vllm", "vLLM"), ("sglang", "SGLang")):
+        zmq_ingest = ingest_sub.add_parser(
+            source, help=f"subscribe to a {what} server's ZMQ KV events (--kv-events-config)"
+        )
+        defaults = _zmq_ingest_defaults(source)
+        zmq_ingest.add_argument(
+            "--endpoint", default=defaults["endpoint"], help="its PUB socket, e.g. tcp://gpu3:5557"
+        )
+        zmq_ingest.add_argument(
+            "--replay-endpoint", default=None, help="its replay ROUTER socket, e.g. tcp://gpu3:5558"
+        )
+        zmq_ingest.add_argument("--topic", default=defaults["topic"], help="the topic it publishes")
+        zmq_ingest.add_argument("--worker-id", required=True, help="worker id to publish as")
+        zmq_ingest.add_argument("--url", default=None, help="the server, e.g. http://gpu3:8000")
+        zmq_ingest.add_argument(
+            "--block-size", type=int, default=defaults["block_size"], help="its tokens per block"
+        )
+        zmq_ingest.add_argument(
+            "--max-batches", type=int, default=None, help="stop after this many messages"
+        )
+        _add_redis_flag(zmq_ingest)
+        zmq_ingest.set_defaults(handler=_cmd_ingest_zmq)
 
     return parser
 
@@ -308,6 +330,49 @@ def _cmd_ingest_trtllm(args: argparse.Namespace) -> int:
                 tokens_per_block=args.tokens_per_block,
                 poll_interval_s=args.poll_interval_s,
                 max_polls=args.max_polls,
+            )
+        )
+    except KeyboardInterrupt:
+        return 130
+    print(json.dumps(stats, sort_keys=True))
+    return 0
+
+
+def _zmq_ingest_defaults(source: str) -> dict[str, Any]:
+    # vLLM: --kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq",
+    # "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": ""}'; SGLang's
+    # --kv-events-config speaks the same protocol, and its pages default to 1 token.
+    block_size = 16 if source == "vllm" else 1
+    return {"endpoint": "tcp://localhost:5557", "topic": "", "block_size": block_size}
+
+
+def _cmd_ingest_zmq(args: argparse.Namespace) -> int:
+    from app.ingest_vllm import run_vllm_ingest
+    from events.keys import validate_worker_id
+
+    redis_url = args.redis_url or Settings().redis_url
+    if redis_url is None:
+        print("kvmesh ingest: give --redis-url or set REDIS_URL", file=sys.stderr)
+        return 2
+    try:
+        validate_worker_id(args.worker_id)
+        if args.block_size <= 0:
+            raise ValueError(f"--block-size must be positive, got {args.block_size}")
+    except ValueError as exc:
+        print(f"kvmesh ingest: {exc}", file=sys.stderr)
+        return 2
+    try:
+        stats = asyncio.run(
+            run_vllm_ingest(
+                args.endpoint,
+                args.worker_id,
+                redis_url,
+                replay_endpoint=args.replay_endpoint,
+                topic=args.topic,
+                url=args.url,
+                block_size=args.block_size,
+                source=args.source,
+                max_batches=args.max_batches,
             )
         )
     except KeyboardInterrupt:
