@@ -176,6 +176,11 @@ def test_an_embedded_cluster_spreads_keys_and_survives_a_master() -> None:
             assert len(owners) == 3  # the hash tags spread the workers over the masters
             victim = cluster.masters[1]
             lost = [k for k in keys if client.get_node_from_key(k).port == victim.port]
+            # Replication is asynchronous: wait until the replica has the writes, else a
+            # master killed at once takes them with it (as a real crash would).
+            direct = redis.Redis(host="127.0.0.1", port=victim.port)
+            assert direct.execute_command("WAIT", 1, 5_000) == 1
+            direct.close()
             victim.kill()
             deadline = time.monotonic() + 20
             while True:  # the replica takes over after the node timeout
