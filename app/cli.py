@@ -12,7 +12,7 @@ import json
 import logging
 import sys
 import typing
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
@@ -308,8 +308,11 @@ def _format_table(title: str, result: dict[str, Any]) -> str:
 # -- ingest --------------------------------------------------------------------------------
 
 
-def _cmd_ingest_trtllm(args: argparse.Namespace) -> int:
-    from app.ingest import run_trtllm_ingest
+def _run_ingest(
+    args: argparse.Namespace, ingest: Callable[[str], Coroutine[Any, Any, dict[str, Any]]]
+) -> int:
+    """What every ``kvmesh ingest`` does around its source: the Redis URL and the worker id
+    checked (exit 2), the ingester run until done or Ctrl-C (130), its stats printed as JSON."""
     from events.keys import validate_worker_id
 
     redis_url = args.redis_url or Settings().redis_url
@@ -318,24 +321,33 @@ def _cmd_ingest_trtllm(args: argparse.Namespace) -> int:
         return 2
     try:
         validate_worker_id(args.worker_id)
+        if getattr(args, "block_size", 1) <= 0:
+            raise ValueError(f"--block-size must be positive, got {args.block_size}")
     except ValueError as exc:
         print(f"kvmesh ingest: {exc}", file=sys.stderr)
         return 2
     try:
-        stats = asyncio.run(
-            run_trtllm_ingest(
-                args.url,
-                args.worker_id,
-                redis_url,
-                tokens_per_block=args.tokens_per_block,
-                poll_interval_s=args.poll_interval_s,
-                max_polls=args.max_polls,
-            )
-        )
+        stats = asyncio.run(ingest(redis_url))
     except KeyboardInterrupt:
         return 130
     print(json.dumps(stats, sort_keys=True))
     return 0
+
+
+def _cmd_ingest_trtllm(args: argparse.Namespace) -> int:
+    from app.ingest import run_trtllm_ingest
+
+    return _run_ingest(
+        args,
+        lambda redis_url: run_trtllm_ingest(
+            args.url,
+            args.worker_id,
+            redis_url,
+            tokens_per_block=args.tokens_per_block,
+            poll_interval_s=args.poll_interval_s,
+            max_polls=args.max_polls,
+        ),
+    )
 
 
 def _zmq_ingest_defaults(source: str) -> dict[str, Any]:
@@ -348,37 +360,21 @@ def _zmq_ingest_defaults(source: str) -> dict[str, Any]:
 
 def _cmd_ingest_zmq(args: argparse.Namespace) -> int:
     from app.ingest_vllm import run_vllm_ingest
-    from events.keys import validate_worker_id
 
-    redis_url = args.redis_url or Settings().redis_url
-    if redis_url is None:
-        print("kvmesh ingest: give --redis-url or set REDIS_URL", file=sys.stderr)
-        return 2
-    try:
-        validate_worker_id(args.worker_id)
-        if args.block_size <= 0:
-            raise ValueError(f"--block-size must be positive, got {args.block_size}")
-    except ValueError as exc:
-        print(f"kvmesh ingest: {exc}", file=sys.stderr)
-        return 2
-    try:
-        stats = asyncio.run(
-            run_vllm_ingest(
-                args.endpoint,
-                args.worker_id,
-                redis_url,
-                replay_endpoint=args.replay_endpoint,
-                topic=args.topic,
-                url=args.url,
-                block_size=args.block_size,
-                source=args.source,
-                max_batches=args.max_batches,
-            )
-        )
-    except KeyboardInterrupt:
-        return 130
-    print(json.dumps(stats, sort_keys=True))
-    return 0
+    return _run_ingest(
+        args,
+        lambda redis_url: run_vllm_ingest(
+            args.endpoint,
+            args.worker_id,
+            redis_url,
+            replay_endpoint=args.replay_endpoint,
+            topic=args.topic,
+            url=args.url,
+            block_size=args.block_size,
+            source=args.source,
+            max_batches=args.max_batches,
+        ),
+    )
 
 
 # -- demo ----------------------------------------------------------------------------------

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import subprocess
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import httpx
 
 from app.router.service import RouterRuntime, create_app
 from app.router.settings import RouterSettings
-from tests.app.worker_support import ADMIN_TOKEN
+from tests.app.worker_support import ADMIN_TOKEN, free_port, service_process, wait_ready
 
 
 def router_settings(redis_url: str, **overrides: Any) -> RouterSettings:
@@ -64,6 +65,46 @@ def sim_worker_args(
         *("--heartbeat-ttl-s", str(heartbeat_ttl_s)),
         *("--sim-step-overhead-ms", "1", "--sim-prefill-us-per-token", "0"),
     ]
+
+
+@contextlib.contextmanager
+def two_workers_and_a_router(
+    redis_url: str, *, num_blocks: int, heartbeat_ttl_s: float
+) -> Iterator[tuple[str, dict[str, subprocess.Popen[str]]]]:
+    """``kvmesh worker`` w0 and w1 and a ``kvmesh router`` as processes, all up and the router
+    seeing both; yields the router's base URL and the processes by name (w0, w1, router)."""
+    ports = {"w0": free_port(), "w1": free_port()}
+    router_port = free_port()
+    base = f"http://127.0.0.1:{router_port}"
+    router_args = ["--port", str(router_port), "--redis-url", redis_url]
+    router_args += ["--load-interval-s", "0.05"]
+    with contextlib.ExitStack() as stack:
+        procs = {
+            worker: stack.enter_context(
+                service_process(
+                    "worker",
+                    sim_worker_args(
+                        worker,
+                        port,
+                        redis_url,
+                        num_blocks=num_blocks,
+                        heartbeat_ttl_s=heartbeat_ttl_s,
+                    ),
+                )
+            )
+            for worker, port in ports.items()
+        }
+        procs["router"] = stack.enter_context(service_process("router", router_args))
+        for worker, port in ports.items():
+            wait_ready(f"http://127.0.0.1:{port}", procs[worker])
+        wait_ready(base, procs["router"])
+
+        def both_up() -> bool:
+            states = [w["state"] for w in httpx.get(f"{base}/workers").json()["workers"]]
+            return states == ["up", "up"]
+
+        wait_for(both_up)
+        yield base, procs
 
 
 def index_holds(runtime: RouterRuntime, worker: str, num_blocks: int) -> Callable[[], bool]:

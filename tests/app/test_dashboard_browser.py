@@ -2,8 +2,8 @@
 a private Redis: the page shows what the cluster did, exactly, and logs no error.
 
 Chromium is Debian's (``make setup`` installs it as root); Playwright's Python package drives
-it through ``executable_path``, so no browser is downloaded. Where Chromium cannot be installed
-(not root, no apt-get) the test skips and says why; CI runs as root, so it runs there. Screenshots
+it through ``executable_path``, so no browser is downloaded. Without Chromium the test fails and
+says how to install it (a skipped browser test would prove nothing). Screenshots
 go to the test's ``tmp_path``; ``KVMESH_DOCS_SCREENSHOT=1`` also writes ``docs/img/dashboard.png``
 (the README's picture).
 """
@@ -25,8 +25,7 @@ import playwright.sync_api as playwright_api
 import pytest
 
 from app.redis_server import EmbeddedRedis
-from tests.app.router_support import sim_worker_args, wait_for
-from tests.app.worker_support import free_port, service_process, wait_ready
+from tests.app.router_support import two_workers_and_a_router, wait_for
 
 CHROMIUM = os.environ.get("KVMESH_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
 
@@ -38,12 +37,6 @@ PROMPT = list(range(300, 400))  # 100 tokens: 6 full blocks
 OTHER_PROMPT = list(range(400, 440))  # 40 tokens: 2 full blocks
 FRESH_PROMPT = list(range(440, 490))  # 50 tokens: 3 full blocks
 SYSTEM = list(range(64))  # a 4-block "system prompt" for the screenshot
-
-
-def _worker_args(worker_id: str, port: int, redis_url: str) -> list[str]:
-    return sim_worker_args(
-        worker_id, port, redis_url, num_blocks=256, heartbeat_ttl_s=HEARTBEAT_TTL_S
-    )
 
 
 def _complete(base: str, prompt: list[int], request_id: str, max_tokens: int = 2) -> str:
@@ -79,26 +72,10 @@ def _settled_count(pause_button: Any) -> int:
 @pytest.fixture
 def cluster(embedded_redis: EmbeddedRedis) -> Iterator[dict[str, Any]]:
     """Two ``kvmesh worker`` processes and a ``kvmesh router``, all up."""
-    url = embedded_redis.url
-    ports = {"w0": free_port(), "w1": free_port()}
-    router_port = free_port()
-    base = f"http://127.0.0.1:{router_port}"
-    router_args = ["--port", str(router_port), "--redis-url", url, "--load-interval-s", "0.05"]
-    with (
-        service_process("worker", _worker_args("w0", ports["w0"], url)) as w0,
-        service_process("worker", _worker_args("w1", ports["w1"], url)) as w1,
-        service_process("router", router_args) as router,
-    ):
-        procs = {"w0": w0, "w1": w1}
-        for worker, port in ports.items():
-            wait_ready(f"http://127.0.0.1:{port}", procs[worker])
-        wait_ready(base, router)
-
-        def both_up() -> bool:
-            states = [w["state"] for w in httpx.get(f"{base}/workers").json()["workers"]]
-            return states == ["up", "up"]
-
-        wait_for(both_up)
+    with two_workers_and_a_router(
+        embedded_redis.url, num_blocks=256, heartbeat_ttl_s=HEARTBEAT_TTL_S
+    ) as (base, procs):
+        router = procs["router"]
         yield {"base": base, "procs": procs, "router": router}
         router.send_signal(signal.SIGTERM)
         router.wait(timeout=15)
@@ -107,11 +84,10 @@ def cluster(embedded_redis: EmbeddedRedis) -> Iterator[dict[str, Any]]:
 @pytest.fixture
 def browser_page() -> Iterator[tuple[Any, list[str]]]:
     """A 1280x900 page in headless Chromium, and the errors it logs (console and uncaught)."""
-    if not os.access(CHROMIUM, os.X_OK):
-        pytest.skip(
-            f"no Chromium at {CHROMIUM}: `make setup` installs Debian's chromium when run as "
-            "root (or `apt-get install chromium`; KVMESH_CHROMIUM names another binary)"
-        )
+    assert os.access(CHROMIUM, os.X_OK), (
+        f"no Chromium at {CHROMIUM}: `make setup` installs Debian's chromium when run as root "
+        "(or `apt-get install chromium`; KVMESH_CHROMIUM names another binary)"
+    )
     errors: list[str] = []
     with playwright_api.sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])

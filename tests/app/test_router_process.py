@@ -12,17 +12,10 @@ import httpx
 import orjson
 
 from app.redis_server import EmbeddedRedis
-from tests.app.router_support import sim_worker_args, wait_for
-from tests.app.worker_support import free_port, service_process, wait_ready
+from tests.app.router_support import two_workers_and_a_router, wait_for
 
 PROMPT = list(range(300, 400))  # 100 tokens: 6 full blocks of 16
 HEARTBEAT_TTL_S = 2.0
-
-
-def _worker_args(worker_id: str, port: int, redis_url: str) -> list[str]:
-    return sim_worker_args(
-        worker_id, port, redis_url, num_blocks=128, heartbeat_ttl_s=HEARTBEAT_TTL_S
-    )
 
 
 def _route(base: str) -> dict[str, Any]:
@@ -37,21 +30,10 @@ def _workers(base: str) -> dict[str, dict[str, Any]]:
 def test_router_process_routes_to_the_cache_and_survives_a_killed_worker(
     embedded_redis: EmbeddedRedis,
 ) -> None:
-    url = embedded_redis.url
-    ports = {"w0": free_port(), "w1": free_port()}
-    router_port = free_port()
-    base = f"http://127.0.0.1:{router_port}"
-    router_args = ["--port", str(router_port), "--redis-url", url, "--load-interval-s", "0.05"]
-    with (
-        service_process("worker", _worker_args("w0", ports["w0"], url)) as w0,
-        service_process("worker", _worker_args("w1", ports["w1"], url)) as w1,
-        service_process("router", router_args) as router,
-    ):
-        procs = {"w0": w0, "w1": w1}
-        for worker, port in ports.items():
-            wait_ready(f"http://127.0.0.1:{port}", procs[worker])
-        wait_ready(base, router)
-        wait_for(lambda: [w["state"] for w in _workers(base).values()] == ["up", "up"])
+    with two_workers_and_a_router(
+        embedded_redis.url, num_blocks=128, heartbeat_ttl_s=HEARTBEAT_TTL_S
+    ) as (base, procs):
+        router = procs["router"]
 
         # The same prompt twice: the second lands where the first left its blocks.
         first = httpx.post(f"{base}/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
