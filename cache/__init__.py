@@ -32,7 +32,7 @@ from cache.hashing import (
     block_key_hash,
     cache_salt_id,
 )
-from cache.manager import CacheType, KVCacheManager, KvCacheStats
+from cache.manager import CacheType, KVCacheManager, KvCacheStats, WindowCapacity
 from cache.request import LlmRequest, RequestState
 from cache.retention import RetentionConfig, TokenRangeRetention, TransferMode
 
@@ -74,6 +74,7 @@ __all__ = [
     "UnknownBlockError",
     "UnknownRequestError",
     "UpdatedData",
+    "WindowCapacity",
     "block_hashes_for_tokens",
     "block_key_hash",
     "cache_salt_id",

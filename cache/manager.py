@@ -17,6 +17,7 @@ from enum import Enum
 from typing import Any
 
 from cache import capacity
+from cache.block import KVCacheBlock
 from cache.errors import DuplicateRequestError, OutOfBlocksError, UnknownRequestError
 from cache.events import KVCacheEvent, KVCacheEventManager
 from cache.hashing import BlockKey
@@ -48,6 +49,16 @@ class KvCacheStats:
     cache_hit_rate: float
     num_free_blocks_per_window_size: dict[int, int] = field(default_factory=dict)
     allocated_bytes: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class WindowCapacity:
+    """Blocks of one attention window (or of all windows summed), per level."""
+
+    primary: int
+    secondary: int
+    free_primary: int
+    free_secondary: int
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -764,6 +775,25 @@ class KVCacheManager:
 
     # -- counts and statistics ---------------------------------------------------------------------
 
+    @property
+    def window_sizes(self) -> tuple[int, ...]:
+        """The attention window sizes this manager holds blocks for, ascending."""
+        return tuple(sorted(self.windows))
+
+    def window_capacity(self, window_size: int | None = None) -> WindowCapacity:
+        """Blocks per level of one window, or of all windows summed when ``window_size`` is None."""
+        windows = self.windows.values() if window_size is None else [self._window(window_size)]
+        return WindowCapacity(
+            primary=sum(wm.num_primary_blocks for wm in windows),
+            secondary=sum(wm.num_secondary_blocks for wm in windows),
+            free_primary=sum(wm.get_num_free_blocks() for wm in windows),
+            free_secondary=sum(wm.get_num_free_secondary_blocks() for wm in windows),
+        )
+
+    def tree_blocks(self, window_size: int | None = None) -> list[KVCacheBlock]:
+        """Every block in one window's reuse tree, pre-order: a block before its children."""
+        return self._window(window_size).tree_blocks()
+
     def get_num_free_blocks(self) -> int:
         return sum(wm.get_num_free_blocks() for wm in self.windows.values())
 
@@ -810,3 +840,8 @@ class KVCacheManager:
     @property
     def num_dropped_events(self) -> int:
         return self.events.num_dropped if self.events is not None else 0
+
+    @property
+    def last_event_id(self) -> int:
+        """The id of the newest event handed out so far; -1 before the first (or events off)."""
+        return self.events.next_event_id - 1 if self.events is not None else -1

@@ -167,35 +167,30 @@ def manager_registry_entry(
     mgr: KVCacheManager, *, url: str | None = None, device: str | None = None
 ) -> dict[str, Any]:
     """The registry fields a ``KVCacheManager`` can tell: capacity per level and per window."""
-    windows = {
-        str(size): [wm.num_primary_blocks, wm.num_secondary_blocks]
-        for size, wm in sorted(mgr.windows.items())
-    }
+    windows = {}
+    for size in mgr.window_sizes:
+        cap = mgr.window_capacity(size)
+        windows[str(size)] = [cap.primary, cap.secondary]
+    total = mgr.window_capacity()
     return {
         "url": url,
         "device": device if device is not None else str(mgr.device),
         "tokens_per_block": mgr.tokens_per_block,
-        "capacity": [
-            sum(wm.num_primary_blocks for wm in mgr.windows.values()),
-            sum(wm.num_secondary_blocks for wm in mgr.windows.values()),
-        ],
+        "capacity": [total.primary, total.secondary],
         "windows": windows,
     }
 
 
 def manager_load(mgr: KVCacheManager, *, num_waiting: int = 0) -> dict[str, int]:
     """Load fields of a ``KVCacheManager`` (summed over windows) for the load hash."""
-    free_primary = sum(wm.get_num_free_blocks() for wm in mgr.windows.values())
-    free_secondary = sum(wm.get_num_free_secondary_blocks() for wm in mgr.windows.values())
-    total_primary = sum(wm.num_primary_blocks for wm in mgr.windows.values())
-    total_secondary = sum(wm.num_secondary_blocks for wm in mgr.windows.values())
+    cap = mgr.window_capacity()
     return {
         "active_sequences": len(mgr.sequences),
         "waiting_requests": num_waiting,
-        "free_blocks_0": free_primary,
-        "used_blocks_0": total_primary - free_primary,
-        "free_blocks_1": free_secondary,
-        "used_blocks_1": total_secondary - free_secondary,
+        "free_blocks_0": cap.free_primary,
+        "used_blocks_0": cap.primary - cap.free_primary,
+        "free_blocks_1": cap.free_secondary,
+        "used_blocks_1": cap.secondary - cap.free_secondary,
     }
 
 

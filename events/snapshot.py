@@ -5,7 +5,7 @@ what it knew about the worker, replays the worker's snapshot and then reads the 
 it. A snapshot therefore says where it stands:
 
 * ``event_id`` -- every event with an id up to and including it is reflected, none after it
-  (for a manager: ``mgr.events.next_event_id - 1``; -1 before the first event);
+  (for a manager: ``mgr.last_event_id``; -1 before the first event);
 * ``epoch`` -- the worker start it belongs to;
 * ``stream_id`` -- the id of the last stream entry written before the snapshot; the entries
   to apply come after it (those still holding ids ``<= event_id`` are skipped).
@@ -102,15 +102,15 @@ def manager_snapshot(mgr: KVCacheManager, *, with_tokens: bool = False) -> Snaps
     Call it on the manager's thread (its single writer), between two of its operations.
     """
     mgr.flush_iteration_events()
-    event_id = mgr.events.next_event_id - 1 if mgr.events is not None else -1
+    event_id = mgr.last_event_id
     events: list[KVCacheEvent] = []
-    for window in sorted(mgr.windows):
+    for window in mgr.window_sizes:
         chain_tail: KVCacheBlock | None = None
         parent_hash: int | None = None
         blocks: list[StoredBlock] = []
         # tree_blocks() is a pre-order walk: a block is followed by one of its children if it
         # has any, so a chain continues exactly while the next block's parent is its tail.
-        for block in mgr.windows[window].tree_blocks():
+        for block in mgr.tree_blocks(window):
             parent = block.prev_block
             if parent is None or parent is not chain_tail:
                 if blocks:

@@ -165,11 +165,8 @@ def record(
         rid += 1
     if mgr.num_dropped_events:
         raise RuntimeError(f"the manager dropped {mgr.num_dropped_events} events")
-    assert mgr.events is not None
-    tree = {
-        b.hash: 0 if b.is_primary else 1 for wm in mgr.windows.values() for b in wm.tree_blocks()
-    }
-    return Recording(worker_id, batches, counts, mgr.events.next_event_id - 1, tree)
+    tree = {b.hash: 0 if b.is_primary else 1 for w in mgr.window_sizes for b in mgr.tree_blocks(w)}
+    return Recording(worker_id, batches, counts, mgr.last_event_id, tree)
 
 
 # -- the consumer process --------------------------------------------------------------------
