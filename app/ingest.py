@@ -42,7 +42,8 @@ from redis.asyncio import Redis
 from cache import CreatedData, KVCacheEvent
 from events import keys
 from events.index import PrefixIndex
-from events.publisher import EventPublisher, client_for
+from events.publisher import EventPublisher, PublisherConfig
+from events.redis_io import client_for
 from events.snapshot import Snapshot
 
 __all__ = ["TrtllmIngest", "TrtllmIngestError", "run_trtllm_ingest"]
@@ -97,7 +98,7 @@ class TrtllmIngest:
         self._redis, self._owns_redis = client_for(redis)
         self._http = http_client or httpx.AsyncClient(timeout=http_timeout_s)
         self._owns_http = http_client is None
-        self._publisher_options = publisher_options
+        self._publisher_config = PublisherConfig(**publisher_options)
         self._streams: dict[int | None, _Stream] = {}
         self.num_polls = 0
         self.num_events = 0
@@ -141,9 +142,9 @@ class TrtllmIngest:
         publisher = EventPublisher(
             self._redis,
             worker_id,
+            self._publisher_config,
             snapshot_source=lambda: holder[0].snapshot(),
             registry_entry=entry,
-            **self._publisher_options,
         )
         stream = _Stream(worker_id, publisher)
         holder.append(stream)

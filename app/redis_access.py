@@ -15,7 +15,7 @@ from __future__ import annotations
 from redis.asyncio import Redis
 from redis.exceptions import AuthenticationError, NoPermissionError
 
-from events.publisher import REDIS_ERRORS
+from events.redis_io import REDIS_ERRORS
 
 __all__ = ["RedisCredentialsError", "check_credentials"]
 

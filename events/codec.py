@@ -21,7 +21,8 @@ decoding asks msgpack for tuples, so no Python code runs per token beyond one C-
 per stored event.
 
 Malformed input (bytes that are not msgpack, or msgpack of the wrong shape) raises
-``EventCodecError``, a ``ValueError`` that says what is wrong and where.
+``EventCodecError`` (``events.errors``: an ``EventsError`` and a ``ValueError``) that says what is
+wrong and where.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from cache import (
     StoredData,
     UpdatedData,
 )
+from events.errors import EventCodecError
 
 __all__ = [
     "TYPE_CREATED",
@@ -82,10 +84,6 @@ _block_fields = attrgetter(
     "cache_salt",
     "lora_id",
 )
-
-
-class EventCodecError(ValueError):
-    """The bytes are not an event batch in this format."""
 
 
 # -- encoding --------------------------------------------------------------------------------

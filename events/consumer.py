@@ -44,7 +44,11 @@ the consumer again, the snapshot did not get past it, and the same snapshot is n
 again -- the consumer waits for a fresh one, which starts after the entry. The entry is then
 checked against that snapshot: one from a later epoch, or with ids past the snapshot's, was
 never the worker's (a forged marker) and is counted as malformed and logged once. So a hostile
-entry costs one resynchronisation, never a loop. Connection errors: log, back off, retry; on
+entry costs one resynchronisation, never a loop.
+
+Errors: whatever a stream entry or a snapshot holds is caught as ``events.errors.EventsError``
+(an ``EnvelopeError``, a ``SnapshotError``, an ``InvalidEventError`` from the index), counted
+and skipped. Connection errors: log, back off, retry (``events.redis_io.Backoff``); on
 reconnection the ``run_id`` check decides whether everything must be resynchronised.
 
 Stats: ``stats()`` (counters, and ``apply_lag_ms``: age of the last entry applied, by its stream
@@ -54,12 +58,10 @@ id's timestamp) and ``await lag()`` (per worker: entries not read yet, and the a
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ctypes
 import gc
 import json
 import logging
-import random
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -71,16 +73,11 @@ from redis.asyncio import Redis, RedisCluster
 
 from cache import KVCacheEvent, RemovedData, StoredData
 from events import keys
-from events.envelope import (
-    DEFAULT_MAX_ENTRY_BYTES,
-    Envelope,
-    EnvelopeError,
-    OversizedEntryError,
-    decode_envelope,
-)
+from events.envelope import DEFAULT_MAX_ENTRY_BYTES, Envelope, decode_envelope
+from events.errors import EnvelopeError, EventsError, OversizedEntryError, SnapshotError
 from events.index import PrefixIndex
-from events.publisher import REDIS_ERRORS, client_for, is_cluster, raise_if_cancelled
-from events.snapshot import Snapshot, SnapshotError, decode_snapshot_lazily
+from events.redis_io import Backoff, client_for, is_cluster, stop_tasks
+from events.snapshot import Snapshot, decode_snapshot_lazily
 
 __all__ = ["EntryHook", "EventConsumer", "WorkerState"]
 
@@ -242,7 +239,16 @@ class EventConsumer:
         self._next_liveness_at = 0.0
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
-        self._failing = False
+        self._backoff = Backoff(
+            logger,
+            "consumer",
+            verb="read",
+            doing="reading",
+            initial_s=backoff_initial_s,
+            max_s=backoff_max_s,
+            # Reconnected: the run_id check decides whether everything must be resynchronised.
+            on_redis_error=self._check_server_next,
+        )
 
         self.num_entries = 0
         self.num_events = 0
@@ -257,7 +263,6 @@ class EventConsumer:
         self.num_snapshot_loads = 0
         self.num_snapshot_requests = 0
         self.num_expired = 0
-        self.num_errors = 0
         self.num_redis_restarts = 0
         self.apply_lag_ms = 0.0
         self.num_bad_registry_entries = 0
@@ -289,9 +294,7 @@ class EventConsumer:
     async def aclose(self) -> None:
         self._stopping = True
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await stop_tasks([self._task])
             self._task = None
         if self._owns_redis:
             await self._redis.aclose()
@@ -299,31 +302,16 @@ class EventConsumer:
 
     async def run(self) -> None:
         """The consumer loop (``start()`` runs it as a task); returns when stopped."""
-        backoff = self.backoff_initial_s
         while not self._stopping:
-            try:
-                await self.step()
-            except REDIS_ERRORS as exc:
-                raise_if_cancelled()
-                self.num_errors += 1
-                self._check_server = True
-                if not self._failing:
-                    logger.warning("consumer: Redis read failed: %s", exc)
-                self._failing = True
-                await asyncio.sleep(backoff * (0.5 + random.random()))
-                backoff = min(backoff * 2, self.backoff_max_s)
-                continue
-            except Exception:
-                raise_if_cancelled()
-                self.num_errors += 1
-                logger.exception("consumer: unexpected error")
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, self.backoff_max_s)
-                continue
-            if self._failing:
-                logger.info("consumer: Redis reads succeed again")
-            self._failing = False
-            backoff = self.backoff_initial_s
+            await self._backoff.step(self.step)
+
+    def _check_server_next(self) -> None:
+        self._check_server = True
+
+    @property
+    def num_errors(self) -> int:
+        """Failed rounds (Redis errors and unexpected ones)."""
+        return self._backoff.num_errors
 
     # -- queries -------------------------------------------------------------------------------
 
@@ -500,7 +488,8 @@ class EventConsumer:
                 info = json.loads(value)
                 if not isinstance(info, dict):
                     raise ValueError("registry entry is not an object")
-            except (ValueError, UnicodeDecodeError) as exc:
+            except ValueError as exc:
+                # An InvalidWorkerIdError, or json's: bad UTF-8, bad JSON, a too long integer.
                 # Logged and counted once per name and value: the registry is read every
                 # half second, and a forged entry would otherwise fill the log.
                 if self._bad_registry.get(name) != value:
@@ -704,7 +693,7 @@ class EventConsumer:
             return
         try:
             await self._replay(worker_id, events)
-        except ValueError as exc:  # a malformed event, or one the index refuses
+        except EventsError as exc:  # an event that does not decode, or one the index refuses
             logger.warning("consumer: bad snapshot for %s: %s", worker_id, exc)
             self.num_malformed += 1
             self.index.remove_worker(worker_id)
@@ -803,8 +792,8 @@ class EventConsumer:
                 for event in events:
                     index.apply_event(worker_id, event)
                     num_applied += 1
-            except ValueError as exc:
-                # The index refused an event, before changing anything.
+            except EventsError as exc:
+                # The index refused an event (InvalidEventError), before changing anything.
                 self._count_malformed(state, entry_id, EnvelopeError(f"data: refused: {exc}"))
                 if not num_applied:
                     # Nothing of the entry reached the index: skipped whole, like an entry

@@ -20,11 +20,10 @@ An entry may hold no events: a *marker* that only says ``dropped``. Its range is
 Event ids inside an entry increase strictly, from ``seq_first`` to ``seq_last``. 64-bit hashes
 survive both formats exactly (msgpack uint64; JSON integers are exact in Python).
 
-Errors::
+Errors (``events.errors``; both are ``EventsError`` and ``ValueError``)::
 
-    ValueError
-     └── EnvelopeError            a malformed entry; the message names the field
-          └── OversizedEntryError  an entry over the reader's ``max_entry_bytes``
+    EnvelopeError              a malformed entry; the message names the field
+    └── OversizedEntryError    an entry over the reader's ``max_entry_bytes``
 """
 
 from __future__ import annotations
@@ -36,7 +35,8 @@ from itertools import pairwise
 from typing import Any, Final
 
 from cache import KVCacheEvent
-from events.codec import EventCodecError, decode_events, encode_events
+from events.codec import decode_events, encode_events
+from events.errors import EnvelopeError, EventCodecError, InvalidWorkerIdError, OversizedEntryError
 from events.keys import validate_worker_id
 
 __all__ = [
@@ -60,14 +60,6 @@ _MAX_U64: Final = 2**64 - 1
 
 _FIELDS: Final = ("v", "worker", "epoch", "seq_first", "seq_last", "dropped", "fmt", "data")
 _BYTE_FIELDS: Final = {name.encode(): name for name in (*_FIELDS, "ts")}
-
-
-class EnvelopeError(ValueError):
-    """A stream entry that is not a valid envelope (the message names the field)."""
-
-
-class OversizedEntryError(EnvelopeError):
-    """A stream entry larger than the reader accepts (refused before it is parsed)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,7 +246,7 @@ def decode_envelope(
     worker_text = _text(got["worker"], "worker")
     try:
         worker = validate_worker_id(worker_text)
-    except ValueError as exc:
+    except InvalidWorkerIdError as exc:
         raise EnvelopeError(f"worker: {exc}") from exc
     fmt = _text(got["fmt"], "fmt")
     if fmt not in FORMATS:

@@ -11,13 +11,16 @@ slot and can be written in one pipeline (or one ``MULTI``) on a cluster too::
     kvmesh:workers                      registry hash: worker id -> JSON entry
 
 Worker ids are checked (``validate_worker_id``) before any key is built, so a bad id fails
-with a ``ValueError`` before any I/O. Braces are refused because they would change the hash
-tag; control characters and whitespace because they make keys unreadable in ``redis-cli``.
+with an ``InvalidWorkerIdError`` (``events.errors``; also a ``ValueError``) before any I/O.
+Braces are refused because they would change the hash tag; control characters and whitespace
+because they make keys unreadable in ``redis-cli``.
 """
 
 from __future__ import annotations
 
 from typing import Final
+
+from events.errors import InvalidWorkerIdError
 
 __all__ = [
     "MAX_WORKER_ID_LENGTH",
@@ -40,19 +43,23 @@ _EVENTS_PREFIX: Final = f"{PREFIX}:{{"
 
 
 def validate_worker_id(worker_id: object) -> str:
-    """Return ``worker_id`` if it can name a worker's keys; else raise ``ValueError``."""
+    """Return ``worker_id`` if it can name a worker's keys; else raise ``InvalidWorkerIdError``."""
     if not isinstance(worker_id, str):
-        raise ValueError(f"worker id must be a str, got {type(worker_id).__name__}")
+        raise InvalidWorkerIdError(f"worker id must be a str, got {type(worker_id).__name__}")
     if not worker_id:
-        raise ValueError("worker id must not be empty")
+        raise InvalidWorkerIdError("worker id must not be empty")
     if len(worker_id) > MAX_WORKER_ID_LENGTH:
-        raise ValueError(
+        raise InvalidWorkerIdError(
             f"worker id is {len(worker_id)} characters long; at most {MAX_WORKER_ID_LENGTH}"
         )
     if "{" in worker_id or "}" in worker_id:
-        raise ValueError(f"worker id {worker_id!r} must not contain braces (Redis hash tags)")
+        raise InvalidWorkerIdError(
+            f"worker id {worker_id!r} must not contain braces (Redis hash tags)"
+        )
     if not worker_id.isprintable() or any(c.isspace() for c in worker_id):
-        raise ValueError(f"worker id {worker_id!r} must not contain whitespace or control chars")
+        raise InvalidWorkerIdError(
+            f"worker id {worker_id!r} must not contain whitespace or control chars"
+        )
     return worker_id
 
 
@@ -81,8 +88,8 @@ def alive_key(worker_id: str) -> str:
 
 
 def worker_from_events_key(key: str | bytes) -> str:
-    """The worker id inside an events stream key (``ValueError`` if it is not one)."""
+    """The worker id inside an events stream key (``InvalidWorkerIdError`` if it is not one)."""
     text = key.decode() if isinstance(key, bytes) else key
     if not (text.startswith(_EVENTS_PREFIX) and text.endswith(_EVENTS_SUFFIX)):
-        raise ValueError(f"{text!r} is not a kvmesh events stream key")
+        raise InvalidWorkerIdError(f"{text!r} is not a kvmesh events stream key")
     return validate_worker_id(text[len(_EVENTS_PREFIX) : -len(_EVENTS_SUFFIX)])

@@ -19,10 +19,10 @@ needs only hashes and levels, and tokens make a snapshot several times larger.
 It is stored at ``kvmesh:{<worker>}:snapshot`` as one msgpack map
 (``encode_snapshot``/``decode_snapshot``); the events inside use ``events.codec``.
 
-Errors::
+Errors (``events.errors``)::
 
-    ValueError
-     └── SnapshotError       bytes that are not a snapshot (the message names the field)
+    SnapshotError       bytes that are not a snapshot (the message names the field); an
+                        ``EventsError`` and a ``ValueError``
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ from typing import Any, Final
 import msgpack  # type: ignore[import-untyped]
 
 from cache import KVCacheBlock, KVCacheEvent, KVCacheManager, StoredBlock, StoredData
-from events.codec import EventCodecError, encode_events, iter_decode_events
+from events.codec import encode_events, iter_decode_events
+from events.errors import EventCodecError, SnapshotError
 
 __all__ = [
     "Snapshot",
@@ -48,10 +49,6 @@ __all__ = [
 
 SNAPSHOT_VERSION: Final = 1
 _MAX_U64: Final = 2**64 - 1
-
-
-class SnapshotError(ValueError):
-    """Bytes that are not a snapshot in this format."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,7 +152,7 @@ def _field(raw: dict[Any, Any], name: str, kind: type) -> Any:
 
 
 def decode_snapshot(data: bytes) -> Snapshot:
-    """Read back what ``encode_snapshot`` wrote; raises ``SnapshotError`` (a ``ValueError``)."""
+    """Read back what ``encode_snapshot`` wrote; raises ``SnapshotError``."""
     raw, event_id, epoch = _unpack(data)
     events = list(_events(_field(raw, "data", bytes)))
     return _header(raw, events, event_id, epoch)

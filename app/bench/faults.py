@@ -94,7 +94,7 @@ from cache import KVCacheEvent, StoredBlock, StoredData
 from events import keys
 from events.consumer import EventConsumer
 from events.envelope import Envelope, decode_envelope
-from events.publisher import EventPublisher
+from events.publisher import EventPublisher, PublisherConfig
 from events.snapshot import Snapshot
 
 HOST = "127.0.0.1"
@@ -892,17 +892,16 @@ async def _cut_off(url: str, num_blocks: int, buffer_blocks: int, cut_at: float)
     cut = EventPublisher(
         cut_url,
         "w0",
+        PublisherConfig(max_buffer_blocks=buffer_blocks, **options),
         snapshot_source=_snapshot_of(published["w0"]),
-        max_buffer_blocks=buffer_blocks,
         registry_entry={"url": "http://w0.invalid:8000", "tokens_per_block": TOKENS_PER_BLOCK},
-        **options,
     )
     honest = EventPublisher(
         url,
         "w1",
+        PublisherConfig(**options),
         snapshot_source=_snapshot_of(published["w1"]),
         registry_entry={"url": "http://w1.invalid:8000", "tokens_per_block": TOKENS_PER_BLOCK},
-        **options,
     )
     split = int(len(events["w0"]) * cut_at)
 

@@ -76,7 +76,8 @@ from app.router.policy import RouteRequest, choose
 from cache import KVCacheEvent
 from events.codec import decode_events
 from events.index import PrefixIndex
-from events.publisher import EventPublisher, redis_client
+from events.publisher import EventPublisher
+from events.redis_io import redis_client
 from events.snapshot import Snapshot
 
 NUM_EVENTS = 20_000

@@ -47,7 +47,7 @@ from app.router.settings import RouterSettings
 from events import keys
 from events.consumer import EventConsumer, WorkerState
 from events.index import PrefixIndex
-from events.publisher import REDIS_ERRORS, raise_if_cancelled, redis_client
+from events.redis_io import REDIS_ERRORS, raise_if_cancelled, redis_client
 
 __all__ = ["RouterRuntime", "WorkerStatus", "create_app", "serve"]
 

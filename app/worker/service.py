@@ -40,7 +40,8 @@ from app.worker.engine import Engine, EngineConfig, Job, VirtualClock
 from app.worker.metrics import WorkerMetrics
 from app.worker.settings import WorkerSettings
 from cache import KVCacheManager, block_hashes_for_tokens
-from events.publisher import EventPublisher, manager_registry_entry, redis_client
+from events.publisher import EventPublisher, PublisherConfig, manager_registry_entry
+from events.redis_io import redis_client
 from events.snapshot import manager_snapshot
 
 __all__ = ["WorkerRuntime", "build_manager", "create_app", "serve"]
@@ -167,14 +168,16 @@ class WorkerRuntime:
         publisher = EventPublisher(
             redis_url,
             settings.worker_id,
+            PublisherConfig(
+                maxlen=settings.stream_maxlen,
+                retain_s=settings.stream_retain_s,
+                heartbeat_ttl_s=settings.heartbeat_ttl_s,
+                heartbeat_interval_s=min(1.0, settings.heartbeat_ttl_s / 3),
+                load_interval_s=0.5,
+            ),
             snapshot_source=lambda: manager_snapshot(mgr),
             registry_entry=registry,
             load_source=lambda: engine.load,
-            maxlen=settings.stream_maxlen,
-            retain_s=settings.stream_retain_s,
-            heartbeat_ttl_s=settings.heartbeat_ttl_s,
-            heartbeat_interval_s=min(1.0, settings.heartbeat_ttl_s / 3),
-            load_interval_s=0.5,
         )
         engine.publisher = publisher
         runtime = cls(

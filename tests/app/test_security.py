@@ -27,7 +27,7 @@ from fastapi import FastAPI
 from app.redis_access import RedisCredentialsError
 from app.router.service import create_app as router_app
 from app.worker.service import create_app as worker_app
-from events.publisher import redis_client
+from events.redis_io import redis_client
 from tests.app.redis_secure import ROUTER_RULES, SHARED_RULES, WORKER_RULES, SecureRedis
 from tests.app.router_support import (
     eventually,

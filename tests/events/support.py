@@ -19,7 +19,7 @@ from typing import Any
 from cache import KVCacheManager, LlmRequest, OutOfBlocksError
 from events.consumer import EventConsumer
 from events.index import PrefixIndex
-from events.publisher import EventPublisher, manager_load, manager_registry_entry
+from events.publisher import EventPublisher, PublisherConfig, manager_load, manager_registry_entry
 from events.snapshot import manager_snapshot
 from tests.cache.factories import make_manager
 
@@ -77,10 +77,11 @@ class Workload:
 
     def blocks(self) -> dict[int, int]:
         """Every block in the manager's reuse trees: hash -> tier (0 primary, 1 secondary)."""
+        mgr = self.mgr
         return {
             b.hash: 0 if b.is_primary else 1
-            for wm in self.mgr.windows.values()
-            for b in wm.tree_blocks()
+            for window in mgr.window_sizes
+            for b in mgr.tree_blocks(window)
         }
 
 
@@ -123,14 +124,13 @@ def make_publisher(
     redis_url: str, worker_id: str, workload: Workload, **overrides: Any
 ) -> EventPublisher:
     mgr = workload.mgr
-    options = {**FAST_PUBLISHER, **overrides}
     return EventPublisher(
         redis_url,
         worker_id,
+        PublisherConfig(**{**FAST_PUBLISHER, **overrides}),
         snapshot_source=lambda: manager_snapshot(mgr),
         registry_entry=manager_registry_entry(mgr, url=f"http://{worker_id}:8001"),
         load_source=lambda: manager_load(mgr, num_waiting=len(workload.live)),
-        **options,
     )
 
 
@@ -155,8 +155,7 @@ async def drive(
 
 
 def last_event_id(workload: Workload) -> int:
-    assert workload.mgr.events is not None
-    return workload.mgr.events.next_event_id - 1
+    return workload.mgr.last_event_id
 
 
 async def assert_index_exact(

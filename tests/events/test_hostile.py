@@ -24,7 +24,7 @@ from cache import KVCacheEvent, StoredBlock, StoredData
 from events import keys
 from events.consumer import EventConsumer
 from events.envelope import make_envelope
-from events.publisher import EventPublisher
+from events.publisher import EventPublisher, PublisherConfig
 from events.snapshot import Snapshot
 from tests.events.support import (
     Workload,
@@ -151,7 +151,10 @@ async def test_a_large_snapshot_is_replayed_without_holding_the_event_loop(
         blocks = [StoredBlock(1 + chain * 5 + i, (), cache_level=i % 2) for i in range(5)]
         events.append(KVCacheEvent(0, StoredData(None, blocks), WINDOW))
     publisher = EventPublisher(
-        clean_redis_url, "w0", snapshot_source=lambda: Snapshot(events, 0), linger_s=0
+        clean_redis_url,
+        "w0",
+        PublisherConfig(linger_s=0),
+        snapshot_source=lambda: Snapshot(events, 0),
     )
     consumer = make_consumer(clean_redis_url)  # not started: the test runs its steps
     longest = 0.0

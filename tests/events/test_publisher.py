@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from itertools import pairwise
 from typing import Any
@@ -12,7 +13,7 @@ import redis.asyncio as aioredis
 from cache import KVCacheEvent, RemovedData
 from events import keys
 from events.envelope import Envelope, decode_envelope
-from events.publisher import EventPublisher
+from events.publisher import EventPublisher, PublisherConfig
 from events.snapshot import Snapshot, decode_snapshot
 from tests.events.support import Workload, drive, last_event_id, make_publisher
 
@@ -91,7 +92,9 @@ async def test_start_writes_snapshot_registry_heartbeat_and_load(clean_redis_url
 
 
 async def test_batches_become_entries_with_consecutive_seqs(clean_redis_url: str) -> None:
-    publisher = EventPublisher(clean_redis_url, "w0", linger_s=0.05, max_entry_blocks=10)
+    publisher = EventPublisher(
+        clean_redis_url, "w0", PublisherConfig(linger_s=0.05, max_entry_blocks=10)
+    )
     async with publisher:
         # 30 one-block batches at once: the flusher waits for no linger once 10 blocks wait,
         # and cuts entries at 10 blocks.
@@ -116,7 +119,9 @@ async def test_batches_become_entries_with_consecutive_seqs(clean_redis_url: str
 
 
 async def test_close_flushes_what_is_buffered(clean_redis_url: str) -> None:
-    publisher = EventPublisher(clean_redis_url, "w0", linger_s=10.0, max_entry_blocks=1000)
+    publisher = EventPublisher(
+        clean_redis_url, "w0", PublisherConfig(linger_s=10.0, max_entry_blocks=1000)
+    )
     await publisher.start()
     for event_id in range(5):
         publisher.publish([removed(event_id)])
@@ -128,7 +133,9 @@ async def test_close_flushes_what_is_buffered(clean_redis_url: str) -> None:
 
 
 async def test_entries_are_trimmed_to_about_maxlen(clean_redis_url: str) -> None:
-    publisher = EventPublisher(clean_redis_url, "w0", linger_s=0, maxlen=10, max_entry_blocks=1)
+    publisher = EventPublisher(
+        clean_redis_url, "w0", PublisherConfig(linger_s=0, maxlen=10, max_entry_blocks=1)
+    )
     async with publisher:
         for event_id in range(600):
             publisher.publish([removed(event_id)])
@@ -200,11 +207,11 @@ async def test_publisher_checks_its_arguments(clean_redis_url: str) -> None:
     with pytest.raises(ValueError, match="braces"):
         EventPublisher(clean_redis_url, "w{1}")
     with pytest.raises(ValueError, match="fmt"):
-        EventPublisher(clean_redis_url, "w1", fmt="xml")
+        PublisherConfig(fmt="xml")
     with pytest.raises(ValueError, match="maxlen must be positive"):
-        EventPublisher(clean_redis_url, "w1", maxlen=0)
+        PublisherConfig(maxlen=0)
     with pytest.raises(ValueError, match="heartbeat_ttl_s"):
-        EventPublisher(clean_redis_url, "w1", heartbeat_interval_s=2, heartbeat_ttl_s=1)
+        PublisherConfig(heartbeat_interval_s=2, heartbeat_ttl_s=1)
     publisher = EventPublisher(clean_redis_url, "w1")
     with pytest.raises(ValueError, match="dropped"):
         publisher.publish([], dropped=-1)
@@ -212,8 +219,8 @@ async def test_publisher_checks_its_arguments(clean_redis_url: str) -> None:
 
 
 async def test_start_survives_a_redis_that_is_not_there() -> None:
-    publisher = EventPublisher("redis://127.0.0.1:1/0", "w0", backoff_max_s=0.05)
-    publisher.close_timeout_s = 0.1
+    config = PublisherConfig(backoff_max_s=0.05, close_timeout_s=0.1)
+    publisher = EventPublisher("redis://127.0.0.1:1/0", "w0", config)
     async with publisher:
         publisher.publish([removed(0)])
     assert publisher.num_errors >= 1
@@ -231,7 +238,9 @@ async def test_drive_helper_runs_a_workload(clean_redis_url: str) -> None:
 
 
 async def test_entries_over_max_entry_bytes_are_split(clean_redis_url: str) -> None:
-    publisher = EventPublisher(clean_redis_url, "w0", max_entry_bytes=600, linger_s=0)
+    publisher = EventPublisher(
+        clean_redis_url, "w0", PublisherConfig(max_entry_bytes=600, linger_s=0)
+    )
     async with publisher:
         big = [2**64 - 1 - i for i in range(20)]  # 9 bytes each in msgpack: ~190 per event
         publisher.publish([KVCacheEvent(i, RemovedData(big), 64) for i in range(12)])
@@ -242,3 +251,28 @@ async def test_entries_over_max_entry_bytes_are_split(clean_redis_url: str) -> N
     assert [ev.event_id for e in envelopes for ev in e.events()] == list(range(12))
     assert all(e.seq_first == prev.seq_last + 1 for prev, e in pairwise(envelopes))
     assert publisher.num_dropped == 0
+
+
+def test_publisher_config_defaults_are_what_a_worker_uses() -> None:
+    config = PublisherConfig()
+    assert dataclasses.asdict(config) == {
+        "fmt": "msgpack",
+        "maxlen": 10_000,
+        "retain_s": 60.0,
+        "max_entry_blocks": 4_096,
+        "max_entry_bytes": 8 * 1024 * 1024,
+        "linger_s": 0.002,
+        "max_buffer_blocks": 1_000_000,
+        "heartbeat_interval_s": 1.0,
+        "heartbeat_ttl_s": 5.0,
+        "load_interval_s": 1.0,
+        "backoff_initial_s": 0.02,
+        "backoff_max_s": 2.0,
+        "close_timeout_s": 5.0,
+        "unregister_on_close": True,
+    }
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.linger_s = 0  # type: ignore[misc]
+    assert PublisherConfig(maxlen=None, retain_s=None).maxlen is None  # None: no cap, no age
+    with pytest.raises(ValueError, match="retain_s must be positive, got 0"):
+        PublisherConfig(retain_s=0)

@@ -16,7 +16,7 @@ from app.redis_server import EmbeddedRedis
 from cache import KVCacheEvent, RemovedData
 from events import keys
 from events.envelope import decode_envelope, make_envelope
-from events.publisher import EventPublisher
+from events.publisher import EventPublisher, PublisherConfig
 from tests.events.support import (
     Workload,
     assert_index_exact,
@@ -236,7 +236,9 @@ async def test_drop_path_snapshot_and_resync_while_redis_refuses_the_worker(
 
 
 async def test_lag_counts_unread_entries(clean_redis_url: str) -> None:
-    publisher = EventPublisher(clean_redis_url, "w0", linger_s=0, max_entry_blocks=1)
+    publisher = EventPublisher(
+        clean_redis_url, "w0", PublisherConfig(linger_s=0, max_entry_blocks=1)
+    )
     consumer = make_consumer(clean_redis_url)  # not started: the test runs its steps
     try:
         async with publisher:
