@@ -6,7 +6,9 @@ implementations compute it and both are checked against the C++ golden vectors:
 * `block_key_hash` — pure Python, one key at a time (the reference; also the fallback);
 * a numba kernel that hashes every block of a token sequence in one call. The manager and the
   router use it through `hash_token_blocks` / `block_hashes_for_tokens`, so no request pays a
-  per-token Python loop.
+  per-token Python loop. A prompt with no extra ids, LoRA, salt or multimodal items takes a
+  shorter kernel of three arguments (`block_hash_array`, which also leaves the hashes in a
+  uint64 array, as `PrefixIndex.find_matches` takes them, instead of a Python int each).
 
 C++ arithmetic to mirror: token ids and multimodal words are mixed as uint32, and
 `a + 0x9e3779b9` wraps at 32 bits *before* it is widened into the 64-bit seed; 64-bit values
@@ -268,6 +270,7 @@ except ImportError:  # pragma: no cover
     _HAVE_NUMBA = False
 
 _KERNEL: Any = None
+_PLAIN_KERNEL: Any = None
 
 if _HAVE_NUMBA and not os.environ.get("KVMESH_NO_NUMBA"):
     # Module-level functions, so that numba's on-disk cache (cache=True) is reused by every
@@ -340,7 +343,21 @@ if _HAVE_NUMBA and not os.environ.get("KVMESH_NO_NUMBA"):
             out[b] = seed
             parent = seed
 
+    @numba.njit(cache=True, nogil=True)
+    def _nb_hash_plain(tokens, tokens_per_block, out):  # type: ignore[no-untyped-def]
+        """`_nb_hash_blocks` for full blocks of plain tokens from the root: no extra ids, LoRA,
+        salt or multimodal items, so a router's hash of a prompt is one short dispatch."""
+        parent = _U_ZERO
+        length = np.uint64(tokens_per_block)
+        for b in range(out.shape[0]):
+            seed = length ^ (parent * _U_MUL_A)
+            for t in range(b * tokens_per_block, (b + 1) * tokens_per_block):
+                seed = _nb_combine(seed, (_nb_mix32(np.uint64(tokens[t])) + _U_GOLDEN) & _U_M32)
+            out[b] = seed
+            parent = seed
+
     _KERNEL = _nb_hash_blocks
+    _PLAIN_KERNEL = _nb_hash_plain
 
 HASH_IMPL = "numba" if _KERNEL is not None else "python"
 _EMPTY_U64 = np.zeros(0, dtype=np.uint64)
@@ -419,6 +436,50 @@ def hash_token_blocks(
     return out
 
 
+def block_hash_array(
+    tokens: Sequence[int] | npt.NDArray[Any],
+    tokens_per_block: int,
+    *,
+    extra_ids: Sequence[int] | None = None,
+    lora_task_id: int | None = None,
+    cache_salt_id: int | None = None,
+    multimodal: Sequence[MultimodalItem] = (),
+    use_numba: bool = True,
+) -> U64Array:
+    """`block_hashes_for_tokens` as a uint64 array, with no Python int made per block (what
+    `PrefixIndex.find_matches` takes fastest)."""
+    if tokens_per_block <= 0:
+        raise ValueError(f"tokens_per_block must be positive, got {tokens_per_block}")
+    arr = as_token_array(tokens)
+    num_full = len(arr) // tokens_per_block
+    if (
+        extra_ids is None
+        and lora_task_id is None
+        and cache_salt_id is None
+        and not multimodal
+        and use_numba
+        and _PLAIN_KERNEL is not None
+    ):
+        out = np.empty(num_full, dtype=np.uint64)
+        _PLAIN_KERNEL(arr, tokens_per_block, out)
+        return out
+    extra = None
+    if extra_ids is not None:
+        if len(extra_ids) != len(arr):
+            raise ValueError(f"extra_ids has {len(extra_ids)} entries for {len(arr)} tokens")
+        extra = np.asarray(extra_ids, dtype=np.uint64)
+    return hash_token_blocks(
+        arr[: num_full * tokens_per_block],
+        tokens_per_block,
+        num_full,
+        extra_ids=extra,
+        lora_task_id=lora_task_id,
+        cache_salt_id=cache_salt_id,
+        mm=multimodal_arrays(multimodal) if multimodal else None,
+        use_numba=use_numba,
+    )
+
+
 def block_hashes_for_tokens(
     tokens: Sequence[int] | npt.NDArray[Any],
     tokens_per_block: int,
@@ -433,23 +494,13 @@ def block_hashes_for_tokens(
     These are exactly the hashes the manager gives those blocks when it stores them, so a router
     can match a request against the events of any worker.
     """
-    if tokens_per_block <= 0:
-        raise ValueError(f"tokens_per_block must be positive, got {tokens_per_block}")
-    arr = as_token_array(tokens)
-    extra = None
-    if extra_ids is not None:
-        if len(extra_ids) != len(arr):
-            raise ValueError(f"extra_ids has {len(extra_ids)} entries for {len(arr)} tokens")
-        extra = np.asarray(extra_ids, dtype=np.uint64)
-    num_full = len(arr) // tokens_per_block
-    hashes = hash_token_blocks(
-        arr[: num_full * tokens_per_block],
+    hashes = block_hash_array(
+        tokens,
         tokens_per_block,
-        num_full,
-        extra_ids=extra,
+        extra_ids=extra_ids,
         lora_task_id=lora_task_id,
         cache_salt_id=cache_salt_id,
-        mm=multimodal_arrays(multimodal) if multimodal else None,
+        multimodal=multimodal,
     )
     result: list[int] = hashes.tolist()
     return result

@@ -4,50 +4,69 @@ A router feeds every worker's KV events into one `PrefixIndex` (ours, or TensorR
 dicts) and asks, for the chained block hashes of a request, how many leading blocks each worker
 already holds. Pure and synchronous: no asyncio, no Redis; it imports only `cache` event types.
 
-Layout: one dict for the whole cluster, ``_words: dict[hash, int]``. For each block hash that
-at least one worker holds it keeps one integer word, and nothing else is allocated per block:
+The index keeps worker ids, slots and windows; what workers hold lives in a *table* chosen
+at construction, with the same answers either way (tests replay random streams into both):
 
-* bits 0..64, the *link*: the hash of the parent the block was last stored under, or ``2**64``
-  for the root. Hashes are chained, so a parent is a property of the hash, not of a worker;
-  the link is only read to dump a worker as replayable events. A parent the index does not
-  know is kept as it is (the chain may have been trimmed).
-* bit ``65 + slot`` (``0 <= slot < S``, ``S = _shift``): worker ``slot`` holds the block;
-* bit ``65 + S + slot``: that worker holds it on the host tier (cache level 1), not the GPU.
+* `events._index_kernels.ArrayTable` (the default when numba imports): an open-addressing
+  table of uint64 hashes in one numpy array, 32 bytes a row for up to 32 workers, probed by
+  compiled kernels. An event's whole chain is applied by one kernel call, a request's whole
+  match by another; their layout and kernels are described in that module.
+* `_DictTable`, pure Python and the source of truth (used without numba or with
+  ``KVMESH_NO_NUMBA``, or with ``PrefixIndex(compiled=False)``): one dict for the whole
+  cluster, ``_words: dict[hash, int]``, one integer word per block hash that at least one
+  worker holds:
 
-Invariants: every host bit has its presence bit; a word with no presence bit left is deleted.
-A match masks each word with the presence bits of the workers still in the running, so the
-link costs it nothing. Keeping the link in the word rather than in a second dict halves the
-dict probes of an apply (they are cache misses once the index outgrows the CPU caches), and
-putting it in the low bits makes a new word one `|` of the parent's hash with the worker's bit.
+  * bits 0..64, the *link*: the hash of the parent the block was last stored under, or
+    ``2**64`` for the root. Hashes are chained, so a parent is a property of the hash, not of
+    a worker; the link is only read to dump a worker as replayable events. A parent the index
+    does not know is kept as it is (the chain may have been trimmed).
+  * bit ``65 + slot`` (``0 <= slot < S``, ``S = _shift``): worker ``slot`` holds the block;
+  * bit ``65 + S + slot``: that worker holds it on the host tier (cache level 1), not the GPU.
 
-Workers get slots in order of first appearance; a removed worker's slot is reused; past ``S``
-workers the host bits move up (one pass over the index). A match is one dict lookup and two
-integer operations per block of the request (`find_matches`), and stops as soon as no worker
-is left. With ``assume_monotone=True`` the match binary-searches instead, which is exact only
-when "worker holds block i" implies it holds blocks 0..i-1 (true for our own workers, whose
-eviction frees a block's whole subtree; not for engines that evict interior blocks alone), so
-the default is the exact walk.
+  A match masks each word with the presence bits of the workers still in the running; a
+  stored event of one tier is a few C-level passes (`map`, `zip`, `dict.update`).
 
-Applying a stored event costs a few C-level passes over its hashes (`map`, `zip`,
-`dict.update`); no Python bytecode runs per block unless the blocks of one event sit on
-different tiers. Forgetting a worker (`remove_worker`, a `created` event) and reading one
-(`worker_blocks`, `dump_events`) scan the whole index: those are rare (a restart, a
+Invariants (both tables): every host bit has its presence bit; a block no worker holds any
+more leaves the table; a worker's blocks read back in the order they entered the table.
+
+Workers get slots in order of first appearance; a removed worker's slot is reused. A match
+walks the request's blocks and stops as soon as no worker is left. With
+``assume_monotone=True`` it binary-searches instead, which is exact only when "worker holds
+block i" implies it holds blocks 0..i-1 (true for our own workers, whose eviction frees a
+block's whole subtree; not for engines that evict interior blocks alone), so the default is
+the exact walk. `find_matches` takes a list of ints or, faster, the uint64 array that
+`cache.hashing.block_hash_array` returns.
+
+Applying a stored event checks it in C where it can (`array("L")` converts and range-checks
+the hashes) and leaves the rest to the table, which refuses a bad chain (its parent inside
+it, a level above 1, a hash twice) before changing anything; the slow checks then name the
+fault. Forgetting a worker (`remove_worker`, a `created` event) and reading one
+(`worker_blocks`, `dump_events`) scan the whole table: those are rare (a restart, a
 resynchronisation); matches and events are not.
 
-Errors: malformed events raise `ValueError` naming what is wrong, before anything changes (the
-consumer counts and skips them); questions about a worker the index has never seen raise
-`KeyError`. Events that name a block the worker does not hold (a removal or an update after a
-missed event) are not errors: they are skipped and counted in `num_unknown_block_refs`.
+Errors: malformed events raise `InvalidEventError` (a `ValueError`) naming what is wrong,
+before anything changes (the consumer counts and skips them); questions about a worker the
+index has never seen raise `KeyError`. Events that name a block the worker does not hold (a
+removal or an update after a missed event) are not errors: they are skipped and counted in
+`num_unknown_block_refs`. One widening: a hash in a stored or removed event may be any
+integer type that converts to a uint64 (a numpy integer too); a float, a str or an
+out-of-range value is refused as before.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import sys
+from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from functools import reduce
 from itertools import chain, repeat
-from operator import and_, attrgetter, or_
-from typing import Any, Final
+from operator import and_, or_
+from typing import Any, Final, NoReturn, Protocol
+
+import numpy as np
+import numpy.typing as npt
 
 from cache import (
     CreatedData,
@@ -57,6 +76,30 @@ from cache import (
     StoredData,
     UpdatedData,
 )
+from events.errors import InvalidEventError
+
+try:  # numba's table; without numba (or with KVMESH_NO_NUMBA) the dict below serves
+    from events._index_kernels import ArrayTable as _ArrayTable
+    from events._index_kernels import self_test as _self_test
+except ImportError:  # pragma: no cover
+    _ArrayTable = None  # type: ignore[assignment,misc]
+    _self_test = None  # type: ignore[assignment]
+
+_log = logging.getLogger(__name__)
+
+
+@functools.cache
+def _compiled_table_works() -> bool:
+    """Whether numba's table imports, compiles and answers right (checked once a process)."""
+    if _ArrayTable is None or _self_test is None:
+        return False
+    try:
+        _self_test()
+    except Exception:  # numba present but broken: the dict table gives the same answers
+        _log.warning("the compiled prefix index fails its self-test; using the dict", exc_info=True)
+        return False
+    return True
+
 
 __all__ = ["GPU_TIER", "HOST_TIER", "PrefixIndex"]
 
@@ -70,8 +113,10 @@ _LINK_MASK: Final = (1 << _BASE) - 1
 _INITIAL_SHIFT: Final = 32  # worker slots before the host bits have to move up
 _LEVELS: Final = frozenset((GPU_TIER, HOST_TIER))
 
-_hash_of = attrgetter("block_hash")
-_level_of = attrgetter("cache_level")
+U64Array = npt.NDArray[np.uint64]
+# uint64 words: "L" where a C long has 64 bits, since CPython converts a big int to an unsigned
+# long digit by digit, but to an unsigned long long through a byte array (twice as slow).
+_U64_CODE: Final = "L" if array("L").itemsize == 8 else "Q"
 
 
 def _check_hashes(hashes: list[Any], what: str) -> None:
@@ -88,10 +133,10 @@ def _check_hashes(hashes: list[Any], what: str) -> None:
         pass
     for h in hashes:
         if type(h) is not int:
-            raise ValueError(f"{what}: block hash {h!r} is not an int")
+            raise InvalidEventError(f"{what}: block hash {h!r} is not an int")
         if not 0 <= h <= _MAX_HASH:
-            raise ValueError(f"{what}: block hash {h} is outside 0..2**64-1")
-    raise ValueError(f"{what}: bad block hashes")
+            raise InvalidEventError(f"{what}: block hash {h} is outside 0..2**64-1")
+    raise InvalidEventError(f"{what}: bad block hashes")
 
 
 def _slots_of(mask: int) -> Iterator[int]:
@@ -102,65 +147,52 @@ def _slots_of(mask: int) -> Iterator[int]:
         mask ^= low
 
 
-class PrefixIndex:
-    """Block hash -> workers holding it, per tier; longest-prefix matches per worker."""
+class _Table(Protocol):
+    """What the index asks of its table (`_DictTable` here, numba's `ArrayTable`)."""
 
-    __slots__ = (
-        "_all",
-        "_free_slots",
-        "_monotone",
-        "_names",
-        "_num_blocks",
-        "_num_host",
-        "_shift",
-        "_slots",
-        "_windows",
-        "_words",
-        "num_unknown_block_refs",
-    )
+    def ensure_slot(self, slot: int) -> None: ...
+    def set_alive(self, slot: int, alive: bool) -> None: ...
+    def store(self, slot: int, links: array[int], levels: bytes | None, root: bool) -> int: ...
+    def remove(self, slot: int, hashes: array[int]) -> int: ...
+    def update(self, slot: int, block_hash: int, level: int) -> bool: ...
+    def clear(self, slot: int) -> None: ...
+    def match(
+        self, block_hashes: Sequence[int] | U64Array, tiers: bool, monotone: bool
+    ) -> tuple[list[int], list[int], list[int]]: ...
+    def blocks_of(self, slot: int) -> dict[int, int]: ...
+    def parent_of(self, block_hash: int) -> int | None: ...
+    def parents_of(self, slot: int) -> dict[int, int | None]: ...
+    def count(self, slot: int) -> tuple[int, int]: ...
+    def __len__(self) -> int: ...
+    def approx_bytes(self) -> int: ...
 
-    def __init__(self, *, assume_monotone: bool = False) -> None:
+
+class _DictTable:
+    """The pure-Python table: one dict ``hash -> word`` (layout in the module docstring).
+
+    The source of truth for `events._index_kernels.ArrayTable`, whose methods mirror these;
+    the index uses it when numba is missing or ``KVMESH_NO_NUMBA`` is set.
+    """
+
+    __slots__ = ("_all", "_num_blocks", "_num_host", "_shift", "_words")
+
+    def __init__(self) -> None:
         self._words: dict[int, int] = {}
-        self._slots: dict[str, int] = {}
-        self._names: list[str] = []  # slot -> worker id ("" while the slot is free)
-        self._free_slots: list[int] = []
         self._num_blocks: list[int] = []  # per slot: blocks held, any tier
         self._num_host: list[int] = []  # per slot: blocks held on the host tier
-        self._windows: list[int] = []  # per slot: window size of its last event
         self._all = 0  # presence bits of every registered worker
         self._shift = _INITIAL_SHIFT
-        self._monotone = assume_monotone
-        # Removed/updated events that named a block the worker did not hold.
-        self.num_unknown_block_refs = 0
 
-    # -- workers -------------------------------------------------------------------------------
-
-    def workers(self) -> list[str]:
-        """Registered workers, in slot order (first appearance; removed workers' slots reused)."""
-        return sorted(self._slots, key=self._slots.__getitem__)
-
-    def _slot(self, worker_id: str) -> int:
-        slot = self._slots.get(worker_id)
-        if slot is not None:
-            return slot
-        if self._free_slots:
-            slot = self._free_slots.pop()
-            self._names[slot] = worker_id
-            self._num_blocks[slot] = self._num_host[slot] = self._windows[slot] = 0
-        else:
-            slot = len(self._names)
-            if slot >= self._shift:
-                self._move_host_bits(self._shift * 2)
-            self._names.append(worker_id)
+    def ensure_slot(self, slot: int) -> None:
+        """Make room for worker `slot`: past ``_shift`` slots the host bits move up."""
+        while len(self._num_blocks) <= slot:
             self._num_blocks.append(0)
             self._num_host.append(0)
-            self._windows.append(0)
-        self._slots[worker_id] = slot
-        self._all |= 1 << (_BASE + slot)
-        return slot
-
-    def _move_host_bits(self, shift: int) -> None:
-        """Make room for `shift` worker slots: the host bits move up."""
+        if slot < self._shift:
+            return
+        shift = self._shift
+        while shift <= slot:
+            shift *= 2
         old_host = _BASE + self._shift
         keep = (1 << old_host) - 1
         new_host = _BASE + shift
@@ -170,153 +202,43 @@ class PrefixIndex:
                 words[block_hash] = (word & keep) | ((word >> old_host) << new_host)
         self._shift = shift
 
-    def _clear_slot(self, slot: int) -> None:
-        if not self._num_blocks[slot]:
-            return
+    def set_alive(self, slot: int, alive: bool) -> None:
         bit = 1 << (_BASE + slot)
-        keep = ~(bit | (bit << self._shift))
-        present = ((1 << self._shift) - 1) << _BASE
-        words = self._words
-        for block_hash in [h for h, w in words.items() if w & bit]:
-            word = words[block_hash] & keep
-            if word & present:
-                words[block_hash] = word
-            else:
-                del words[block_hash]
-        self._num_blocks[slot] = self._num_host[slot] = 0
+        self._all = self._all | bit if alive else self._all & ~bit
 
-    def remove_worker(self, worker_id: str) -> bool:
-        """Forget a worker and free its slot; False if it was not registered."""
-        slot = self._slots.pop(worker_id, None)
-        if slot is None:
-            return False
-        self._clear_slot(slot)
-        self._names[slot] = ""
-        self._free_slots.append(slot)
-        self._all &= ~(1 << (_BASE + slot))
-        return True
-
-    # -- events --------------------------------------------------------------------------------
-
-    def apply_events(
-        self, worker_id: str, events: Iterable[KVCacheEvent | dict[str, Any] | None]
-    ) -> None:
-        for event in events:
-            self.apply_event(worker_id, event)
-
-    def apply_event(self, worker_id: str, event: KVCacheEvent | dict[str, Any] | None) -> None:
-        """Apply one event of `worker_id`: ours, or TensorRT-LLM's JSON dict.
-
-        `{}` and None are skipped (TensorRT-LLM's serializer turns a missing event into `{}`).
-        A `created` event means the worker (re)started: all it held is forgotten. Raises
-        ValueError, before changing anything, when the event is malformed.
-        """
-        if type(event) is not KVCacheEvent:
-            if isinstance(event, dict):
-                if not event:
-                    return
-                try:
-                    event = KVCacheEvent.from_dict(event)
-                except ValueError as exc:
-                    raise ValueError(f"malformed TensorRT-LLM event: {exc}") from exc
-            elif event is None:
-                return
-            elif not isinstance(event, KVCacheEvent):
-                raise ValueError(f"not a KV cache event: {type(event).__name__}")
-        data = event.data
-        if type(data) is StoredData:
-            slot = self._apply_stored(worker_id, data)
-        elif type(data) is RemovedData:
-            slot = self._apply_removed(worker_id, data)
-        elif type(data) is UpdatedData:
-            slot = self._apply_updated(worker_id, data)
-        elif type(data) is CreatedData:
-            slot = self._slot(worker_id)
-            self._clear_slot(slot)
-        else:
-            raise ValueError(f"unknown event data {type(data).__name__}")
-        self._windows[slot] = event.window_size
-
-    def _apply_stored(self, worker_id: str, data: StoredData) -> int:
-        blocks = data.blocks
-        parent = data.parent_hash
-        if type(blocks) is not list:
-            raise ValueError(f"stored event: blocks must be a list, got {type(blocks).__name__}")
-        if parent is not None and (type(parent) is not int or not 0 <= parent <= _MAX_HASH):
-            raise ValueError(f"stored event: bad parent_hash {parent!r}")
-        if not blocks:
-            return self._slot(worker_id)
-        hashes: list[int] = list(map(_hash_of, blocks))
-        _check_hashes(hashes, "stored event")
-        if parent in hashes:
-            raise ValueError(f"stored event: block {parent} is its own ancestor")
-        # The common case, every block on the GPU tier, costs one pass; a falsy level is 0.
-        all_host = False
-        if any(map(_level_of, blocks)):
-            levels = set(map(_level_of, blocks))
-            if not levels <= _LEVELS:
-                bad = min(levels - _LEVELS, key=repr)
-                raise ValueError(f"stored event: cache_level must be 0 or 1, got {bad!r}")
-            if len(levels) > 1:
-                return self._apply_stored_mixed(worker_id, parent, hashes, blocks)
-            all_host = True
-        slot = self._slots.get(worker_id)
-        if slot is None:
-            slot = self._slot(worker_id)
-            new_worker = True
-        else:
-            new_worker = False
-        bit_shift = _BASE + slot
-        bit = 1 << bit_shift
-        host_shift = bit_shift + self._shift
-        host_bit = 1 << host_shift
-        words = self._words
-        prev = list(map(words.get, hashes, repeat(0)))
-        # Block k+1's parent is block k; the first hangs below `parent`.
-        links = chain((_ROOT_LINK if parent is None else parent,), hashes)
-        new = map(or_, links, repeat(bit | host_bit if all_host else bit))
+    def store(self, slot: int, links: array[int], levels: bytes | None, root: bool) -> int:
+        """Worker `slot` stores the chain ``links[1:]`` below ``links[0]`` (or at the root);
+        `levels`: each block's tier, None when all are on the GPU. Nonzero, with nothing
+        changed, when the parent is in the chain, a level is not 0 or 1, or a hash repeats."""
+        hashes: list[int] = links.tolist()
+        parent = hashes.pop(0)
         n = len(hashes)
-        if any(prev):
-            if len(set(hashes)) != n:
-                if new_worker:
-                    self.remove_worker(worker_id)
-                raise ValueError("stored event: a block hash appears twice in one chain")
-            num_held = sum(map(and_, prev, repeat(bit))) >> bit_shift
-            num_host = sum(map(and_, prev, repeat(host_bit))) >> host_shift
-            # A block already known gets the new link, and loses its host bit on the GPU tier.
-            new = map(or_, map(and_, prev, repeat(~(_LINK_MASK | host_bit))), new)
-            words.update(zip(hashes, new, strict=False))
-        else:
-            # Every block is new to the index: a repeated hash shows as a smaller growth.
-            size = len(words)
-            words.update(zip(hashes, new, strict=False))
-            if len(words) - size != n:
-                for block_hash in hashes:
-                    words.pop(block_hash, None)
-                if new_worker:
-                    self.remove_worker(worker_id)
-                raise ValueError("stored event: a block hash appears twice in one chain")
-            num_held = num_host = 0
-        self._num_blocks[slot] += n - num_held
-        self._num_host[slot] += n - num_host if all_host else -num_host
-        return slot
-
-    def _apply_stored_mixed(
-        self, worker_id: str, parent: int | None, hashes: list[int], blocks: list[StoredBlock]
-    ) -> int:
-        """A stored event whose blocks sit on both tiers: one step per block."""
-        if len(set(hashes)) != len(hashes):
-            raise ValueError("stored event: a block hash appears twice in one chain")
-        slot = self._slot(worker_id)
+        if not root and parent in hashes:
+            return 1
+        if levels is not None and max(levels) > 1:
+            return 1
+        if len(set(hashes)) != n:
+            return 1
         bit = 1 << (_BASE + slot)
         host_bit = bit << self._shift
         keep = ~(_LINK_MASK | host_bit)
         words = self._words
-        get = words.get
+        link = _ROOT_LINK if root else parent
+        if levels is None or levels.count(1) == n:
+            # One tier for the whole chain: a few C-level passes, no bytecode per block.
+            prev = list(map(words.get, hashes, repeat(0)))
+            links_of = chain((link,), hashes)  # block k+1's parent is block k
+            new = map(or_, links_of, repeat(bit if levels is None else bit | host_bit))
+            num_held = sum(map(and_, prev, repeat(bit))) >> (_BASE + slot)
+            num_host = sum(map(and_, prev, repeat(host_bit))) >> (_BASE + slot + self._shift)
+            # A block already known gets the new link, and loses its host bit on the GPU tier.
+            words.update(zip(hashes, map(or_, map(and_, prev, repeat(keep)), new), strict=False))
+            self._num_blocks[slot] += n - num_held
+            self._num_host[slot] += n - num_host if levels is not None else -num_host
+            return 0
         num_new = num_host_delta = 0
-        link = _ROOT_LINK if parent is None else parent
-        for block_hash, level in zip(hashes, map(_level_of, blocks), strict=True):
-            word = get(block_hash, 0)
+        for block_hash, level in zip(hashes, levels, strict=True):
+            word = words.get(block_hash, 0)
             if not word & bit:
                 num_new += 1
             elif word & host_bit:
@@ -329,16 +251,10 @@ class PrefixIndex:
             link = block_hash
         self._num_blocks[slot] += num_new
         self._num_host[slot] += num_host_delta
-        return slot
+        return 0
 
-    def _apply_removed(self, worker_id: str, data: RemovedData) -> int:
-        hashes = data.block_hashes
-        if type(hashes) is not list:
-            raise ValueError(
-                f"removed event: block_hashes must be a list, got {type(hashes).__name__}"
-            )
-        _check_hashes(hashes, "removed event")
-        slot = self._slot(worker_id)
+    def remove(self, slot: int, hashes: array[int]) -> int:
+        """Worker `slot` drops `hashes`; how many it did not hold."""
         bit = 1 << (_BASE + slot)
         host_bit = bit << self._shift
         keep = ~(bit | host_bit)
@@ -361,26 +277,14 @@ class PrefixIndex:
                 del words[block_hash]
         self._num_blocks[slot] -= num_removed
         self._num_host[slot] -= num_host
-        self.num_unknown_block_refs += unknown
-        return slot
+        return unknown
 
-    def _apply_updated(self, worker_id: str, data: UpdatedData) -> int:
-        block_hash = data.block_hash
-        _check_hashes([block_hash], "updated event")
-        diff = data.cache_level
-        level = None
-        if diff is not None:
-            level = diff.new_value
-            if type(level) is not int or level not in _LEVELS:
-                raise ValueError(f"updated event: cache_level must become 0 or 1, got {level!r}")
-        slot = self._slot(worker_id)
+    def update(self, slot: int, block_hash: int, level: int) -> bool:
+        """Worker `slot`'s block moves to tier `level` (-1: stays); False if not held."""
         bit = 1 << (_BASE + slot)
         word = self._words.get(block_hash, 0)
         if not word & bit:
-            self.num_unknown_block_refs += 1
-            return slot
-        if level is None:  # a priority change: the index does not rank by priority
-            return slot
+            return False
         host_bit = bit << self._shift
         if level == HOST_TIER and not word & host_bit:
             self._words[block_hash] = word | host_bit
@@ -388,14 +292,54 @@ class PrefixIndex:
         elif level == GPU_TIER and word & host_bit:
             self._words[block_hash] = word & ~host_bit
             self._num_host[slot] -= 1
-        return slot
+        return True
 
-    # -- matching ------------------------------------------------------------------------------
+    def clear(self, slot: int) -> None:
+        """Worker `slot` holds nothing (a scan of the whole table)."""
+        if not self._num_blocks[slot]:
+            return
+        bit = 1 << (_BASE + slot)
+        keep = ~(bit | (bit << self._shift))
+        present = ((1 << self._shift) - 1) << _BASE
+        words = self._words
+        for block_hash in [h for h, w in words.items() if w & bit]:
+            word = words[block_hash] & keep
+            if word & present:
+                words[block_hash] = word
+            else:
+                del words[block_hash]
+        self._num_blocks[slot] = self._num_host[slot] = 0
 
-    def _match_slots(self, block_hashes: Sequence[int]) -> list[tuple[int, int]]:
-        """(slot, number of leading blocks held) for each worker holding at least one."""
-        if self._monotone:
-            return self._match_monotone(block_hashes)
+    def match(
+        self, block_hashes: Sequence[int] | U64Array, tiers: bool, monotone: bool
+    ) -> tuple[list[int], list[int], list[int]]:
+        """(slots, depths, host blocks among the leading ones if `tiers`), workers in the
+        order they drop out: by depth, then slot."""
+        hashes: Sequence[int] = (
+            block_hashes.tolist() if isinstance(block_hashes, np.ndarray) else block_hashes
+        )
+        found = self._match_monotone(hashes) if monotone else self._walk(hashes)
+        if not found:
+            return [], [], []
+        slots = [slot for slot, _ in found]
+        depths = [depth for _, depth in found]
+        if not tiers:
+            return slots, depths, []
+        num_host = self._num_host
+        host_depth = max((depth for slot, depth in found if num_host[slot]), default=0)
+        # (.get: a binary search may pass over a block nobody holds, if presence is not monotone)
+        words = list(map(self._words.get, hashes[:host_depth], repeat(0)))
+        host: list[int] = []
+        for slot, depth in found:
+            on_host = 0
+            if num_host[slot]:
+                host_shift = _BASE + self._shift + slot
+                on_host = sum(map(and_, words[:depth], repeat(1 << host_shift))) >> host_shift
+            host.append(on_host)
+        return slots, depths, host
+
+    def _walk(self, block_hashes: Sequence[int]) -> list[tuple[int, int]]:
+        """(slot, leading blocks held) for each worker holding at least one."""
         get = self._words.get
         alive = self._all
         out: list[tuple[int, int]] = []
@@ -436,44 +380,282 @@ class PrefixIndex:
             lo += 1
         return out
 
-    def find_matches(self, block_hashes: Sequence[int]) -> dict[str, int]:
-        """Per worker, how many leading blocks of the request it holds (any tier); no zeros."""
-        names = self._names
-        return {names[slot]: depth for slot, depth in self._match_slots(block_hashes)}
-
-    def find_matches_by_tier(self, block_hashes: Sequence[int]) -> dict[str, tuple[int, int]]:
-        """Per worker: (leading blocks held on any tier, how many of those are on the GPU)."""
-        matches = self._match_slots(block_hashes)
-        if not matches:
-            return {}
-        names, num_host, shift = self._names, self._num_host, self._shift
-        host_depth = max((depth for slot, depth in matches if num_host[slot]), default=0)
-        words: list[int] = []
-        if host_depth:
-            words = list(map(self._words.__getitem__, block_hashes[:host_depth]))
-        out: dict[str, tuple[int, int]] = {}
-        for slot, depth in matches:
-            on_host = 0
-            if num_host[slot]:
-                host_shift = _BASE + shift + slot
-                on_host = sum(map(and_, words[:depth], repeat(1 << host_shift))) >> host_shift
-            out[names[slot]] = (depth, depth - on_host)
-        return out
-
-    # -- state ---------------------------------------------------------------------------------
-
-    def worker_blocks(self, worker_id: str) -> dict[int, int]:
-        """Every block `worker_id` holds: hash -> tier (0 GPU, 1 host). Scans the index."""
-        bit = 1 << (_BASE + self._slots[worker_id])
+    def blocks_of(self, slot: int) -> dict[int, int]:
+        bit = 1 << (_BASE + slot)
         host_bit = bit << self._shift
         return {
             h: HOST_TIER if w & host_bit else GPU_TIER for h, w in self._words.items() if w & bit
         }
 
     def parent_of(self, block_hash: int) -> int | None:
-        """The parent `block_hash` was last stored under (KeyError if no worker holds it)."""
         link = self._words[block_hash] & _LINK_MASK
         return None if link == _ROOT_LINK else link
+
+    def parents_of(self, slot: int) -> dict[int, int | None]:
+        """`parent_of` for every block worker `slot` holds (one scan)."""
+        bit = 1 << (_BASE + slot)
+        return {
+            h: None if w & _LINK_MASK == _ROOT_LINK else w & _LINK_MASK
+            for h, w in self._words.items()
+            if w & bit
+        }
+
+    def count(self, slot: int) -> tuple[int, int]:
+        return self._num_blocks[slot], self._num_host[slot]
+
+    def __len__(self) -> int:
+        return len(self._words)
+
+    def approx_bytes(self) -> int:
+        words = self._words
+        return (
+            sys.getsizeof(words)
+            + sum(map(sys.getsizeof, words))
+            + sum(map(sys.getsizeof, words.values()))
+        )
+
+
+def _hash_words(hashes: list[Any], what: str) -> array[int]:
+    """`hashes` as uint64 words; InvalidEventError naming the first bad one."""
+    try:
+        return array(_U64_CODE, hashes)
+    except (TypeError, OverflowError):
+        _check_hashes(hashes, what)
+    raise InvalidEventError(f"{what}: bad block hashes")
+
+
+class PrefixIndex:
+    """Block hash -> workers holding it, per tier; longest-prefix matches per worker."""
+
+    __slots__ = (
+        "_free_slots",
+        "_monotone",
+        "_names",
+        "_slots",
+        "_table",
+        "_windows",
+        "compiled",
+        "num_unknown_block_refs",
+    )
+
+    def __init__(self, *, assume_monotone: bool = False, compiled: bool | None = None) -> None:
+        """`compiled`: the numba table (True), the pure-Python one (False), or the numba one
+        when it can be had (None, the default)."""
+        if compiled is None:
+            compiled = _compiled_table_works()
+        elif compiled and not _compiled_table_works():
+            raise RuntimeError("the compiled prefix index needs numba (and no KVMESH_NO_NUMBA)")
+        self.compiled = compiled
+        self._table: _Table = _ArrayTable() if compiled else _DictTable()
+        self._slots: dict[str, int] = {}
+        self._names: list[str] = []  # slot -> worker id ("" while the slot is free)
+        self._free_slots: list[int] = []
+        self._windows: list[int] = []  # per slot: window size of its last event
+        self._monotone = assume_monotone
+        # Removed/updated events that named a block the worker did not hold.
+        self.num_unknown_block_refs = 0
+
+    # -- workers -------------------------------------------------------------------------------
+
+    def workers(self) -> list[str]:
+        """Registered workers, in slot order (first appearance; removed workers' slots reused)."""
+        return sorted(self._slots, key=self._slots.__getitem__)
+
+    def _slot(self, worker_id: str) -> int:
+        slot = self._slots.get(worker_id)
+        if slot is None:
+            slot = self._next_slot()
+            self._register(worker_id, slot)
+        return slot
+
+    def _next_slot(self) -> int:
+        """The slot a new worker would get (the table made ready for it); not yet taken."""
+        slot = self._free_slots[-1] if self._free_slots else len(self._names)
+        self._table.ensure_slot(slot)
+        return slot
+
+    def _register(self, worker_id: str, slot: int) -> None:
+        if self._free_slots and self._free_slots[-1] == slot:
+            self._free_slots.pop()
+            self._names[slot] = worker_id
+            self._windows[slot] = 0
+        else:
+            self._names.append(worker_id)
+            self._windows.append(0)
+        self._slots[worker_id] = slot
+        self._table.set_alive(slot, True)
+
+    def remove_worker(self, worker_id: str) -> bool:
+        """Forget a worker and free its slot; False if it was not registered."""
+        slot = self._slots.pop(worker_id, None)
+        if slot is None:
+            return False
+        self._table.clear(slot)
+        self._table.set_alive(slot, False)
+        self._names[slot] = ""
+        self._free_slots.append(slot)
+        return True
+
+    # -- events --------------------------------------------------------------------------------
+
+    def apply_events(
+        self, worker_id: str, events: Iterable[KVCacheEvent | dict[str, Any] | None]
+    ) -> None:
+        for event in events:
+            self.apply_event(worker_id, event)
+
+    def apply_event(self, worker_id: str, event: KVCacheEvent | dict[str, Any] | None) -> None:
+        """Apply one event of `worker_id`: ours, or TensorRT-LLM's JSON dict.
+
+        `{}` and None are skipped (TensorRT-LLM's serializer turns a missing event into `{}`).
+        A `created` event means the worker (re)started: all it held is forgotten. Raises
+        ValueError, before changing anything, when the event is malformed.
+        """
+        if type(event) is not KVCacheEvent:
+            if isinstance(event, dict):
+                if not event:
+                    return
+                try:
+                    event = KVCacheEvent.from_dict(event)
+                except ValueError as exc:
+                    raise InvalidEventError(f"malformed TensorRT-LLM event: {exc}") from exc
+            elif event is None:
+                return
+            elif not isinstance(event, KVCacheEvent):
+                raise InvalidEventError(f"not a KV cache event: {type(event).__name__}")
+        data = event.data
+        if type(data) is StoredData:
+            slot = self._apply_stored(worker_id, data)
+        elif type(data) is RemovedData:
+            slot = self._apply_removed(worker_id, data)
+        elif type(data) is UpdatedData:
+            slot = self._apply_updated(worker_id, data)
+        elif type(data) is CreatedData:
+            slot = self._slot(worker_id)
+            self._table.clear(slot)
+        else:
+            raise InvalidEventError(f"unknown event data {type(data).__name__}")
+        self._windows[slot] = event.window_size
+
+    def _apply_stored(self, worker_id: str, data: StoredData) -> int:
+        blocks = data.blocks
+        parent = data.parent_hash
+        if type(blocks) is not list:
+            raise InvalidEventError(
+                f"stored event: blocks must be a list, got {type(blocks).__name__}"
+            )
+        if parent is not None and (type(parent) is not int or not 0 <= parent <= _MAX_HASH):
+            raise InvalidEventError(f"stored event: bad parent_hash {parent!r}")
+        if not blocks:
+            return self._slot(worker_id)
+        # One pass in the common case, every block on the GPU tier (a falsy level is 0).
+        hashes = [block.block_hash for block in blocks if not block.cache_level]
+        levels: list[Any] | None = None
+        if len(hashes) != len(blocks):
+            hashes = [block.block_hash for block in blocks]
+            levels = [block.cache_level for block in blocks]
+        # Ints in range and levels 0..255 convert in C; anything else takes the checks below.
+        # The table refuses a parent inside the chain, a level above 1 or a repeated hash
+        # without changing anything, and the checks then say which it was.
+        try:
+            links = array(_U64_CODE, hashes)
+            tiers = None if levels is None else bytes(levels)
+        except (TypeError, OverflowError, ValueError):
+            links, tiers = self._check_stored(parent, hashes, levels)
+        links.insert(0, 0 if parent is None else parent)
+        slot = self._slots.get(worker_id)
+        if slot is None:
+            slot = self._next_slot()
+            if self._table.store(slot, links, tiers, parent is None):
+                self._refuse_stored(parent, hashes, levels)
+            self._register(worker_id, slot)
+        elif self._table.store(slot, links, tiers, parent is None):
+            self._refuse_stored(parent, hashes, levels)
+        return slot
+
+    def _refuse_stored(
+        self, parent: int | None, hashes: list[Any], levels: list[Any] | None
+    ) -> NoReturn:
+        self._check_stored(parent, hashes, levels)
+        raise InvalidEventError("stored event: refused by the table")  # the check raises first
+
+    @staticmethod
+    def _check_stored(
+        parent: int | None, hashes: list[Any], levels: list[Any] | None
+    ) -> tuple[array[int], bytes | None]:
+        """Raise InvalidEventError for the first thing wrong with a stored chain (hashes,
+        parent inside the chain, levels, a repeated hash); else its words and tiers. `levels`
+        None: every block on the GPU tier."""
+        _check_hashes(hashes, "stored event")
+        if parent in hashes:
+            raise InvalidEventError(f"stored event: block {parent} is its own ancestor")
+        tiers = None
+        if levels is not None and any(levels):  # a falsy level is the GPU tier
+            distinct = set(levels)
+            if not distinct <= _LEVELS:
+                bad = min(distinct - _LEVELS, key=repr)
+                raise InvalidEventError(f"stored event: cache_level must be 0 or 1, got {bad!r}")
+            tiers = bytes(1 if level else 0 for level in levels)
+        if len(set(hashes)) != len(hashes):
+            raise InvalidEventError("stored event: a block hash appears twice in one chain")
+        return array(_U64_CODE, hashes), tiers
+
+    def _apply_removed(self, worker_id: str, data: RemovedData) -> int:
+        hashes = data.block_hashes
+        if type(hashes) is not list:
+            raise InvalidEventError(
+                f"removed event: block_hashes must be a list, got {type(hashes).__name__}"
+            )
+        words = _hash_words(hashes, "removed event")
+        slot = self._slot(worker_id)
+        self.num_unknown_block_refs += self._table.remove(slot, words)
+        return slot
+
+    def _apply_updated(self, worker_id: str, data: UpdatedData) -> int:
+        block_hash = data.block_hash
+        _check_hashes([block_hash], "updated event")
+        diff = data.cache_level
+        level = -1  # a priority change: the index does not rank by priority
+        if diff is not None:
+            level = diff.new_value
+            if type(level) is not int or level not in _LEVELS:
+                raise InvalidEventError(
+                    f"updated event: cache_level must become 0 or 1, got {level!r}"
+                )
+        slot = self._slot(worker_id)
+        if not self._table.update(slot, block_hash, level):
+            self.num_unknown_block_refs += 1
+        return slot
+
+    # -- matching ------------------------------------------------------------------------------
+
+    def find_matches(self, block_hashes: Sequence[int] | U64Array) -> dict[str, int]:
+        """Per worker, how many leading blocks of the request it holds (any tier); no zeros.
+
+        `block_hashes`: a list of ints, or a uint64 array (`cache.block_hash_array`)."""
+        slots, depths, _ = self._table.match(block_hashes, False, self._monotone)
+        return dict(zip(map(self._names.__getitem__, slots), depths, strict=True))
+
+    def find_matches_by_tier(
+        self, block_hashes: Sequence[int] | U64Array
+    ) -> dict[str, tuple[int, int]]:
+        """Per worker: (leading blocks held on any tier, how many of those are on the GPU)."""
+        slots, depths, host = self._table.match(block_hashes, True, self._monotone)
+        names = self._names
+        return {
+            names[slot]: (depth, depth - on_host)
+            for slot, depth, on_host in zip(slots, depths, host, strict=True)
+        }
+
+    # -- state ---------------------------------------------------------------------------------
+
+    def worker_blocks(self, worker_id: str) -> dict[int, int]:
+        """Every block `worker_id` holds: hash -> tier (0 GPU, 1 host). Scans the index."""
+        return self._table.blocks_of(self._slots[worker_id])
+
+    def parent_of(self, block_hash: int) -> int | None:
+        """The parent `block_hash` was last stored under (KeyError if no worker holds it)."""
+        return self._table.parent_of(block_hash)
 
     def dump_events(self, worker_id: str, *, window_size: int | None = None) -> list[KVCacheEvent]:
         """`worker_id`'s blocks as stored events that rebuild them when replayed in order.
@@ -485,7 +667,7 @@ class PrefixIndex:
         """
         window = self._windows[self._slots[worker_id]] if window_size is None else window_size
         held = self.worker_blocks(worker_id)
-        parent_of = self.parent_of
+        parent_of = self._table.parents_of(self._slots[worker_id]).__getitem__
         children: dict[int, list[int]] = {}
         roots: list[tuple[int | None, int]] = []
         for block_hash in held:
@@ -519,21 +701,21 @@ class PrefixIndex:
 
     def num_blocks(self, worker_id: str) -> int:
         """Blocks `worker_id` holds, any tier."""
-        return self._num_blocks[self._slots[worker_id]]
+        return self._table.count(self._slots[worker_id])[0]
 
     def __len__(self) -> int:
         """Distinct block hashes held by at least one worker."""
-        return len(self._words)
+        return len(self._table)
 
     def stats(self) -> dict[str, Any]:
         """Blocks per worker and per tier (state only, so equal after a dump and replay)."""
         per_worker: dict[str, dict[str, int]] = {}
         for worker_id, slot in sorted(self._slots.items()):
-            total, host = self._num_blocks[slot], self._num_host[slot]
+            total, host = self._table.count(slot)
             per_worker[worker_id] = {"blocks": total, "gpu": total - host, "host": host}
         return {
             "workers": len(per_worker),
-            "blocks": len(self._words),
+            "blocks": len(self._table),
             "entries": sum(w["blocks"] for w in per_worker.values()),
             "gpu_entries": sum(w["gpu"] for w in per_worker.values()),
             "host_entries": sum(w["host"] for w in per_worker.values()),
@@ -541,10 +723,5 @@ class PrefixIndex:
         }
 
     def approx_bytes(self) -> int:
-        """Rough memory of the index: its dict, the hash keys and the words."""
-        words = self._words
-        return (
-            sys.getsizeof(words)
-            + sum(map(sys.getsizeof, words))
-            + sum(map(sys.getsizeof, words.values()))
-        )
+        """Rough memory of the index's table (for the dict: the dict, its keys and words)."""
+        return self._table.approx_bytes()

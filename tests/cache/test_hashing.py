@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,12 @@ from cache import (
     block_hashes_for_tokens,
     block_key_hash,
 )
-from cache.hashing import as_token_array, hash_token_blocks, multimodal_arrays
+from cache.hashing import (
+    as_token_array,
+    block_hash_array,
+    hash_token_blocks,
+    multimodal_arrays,
+)
 
 GOLDEN = Path(__file__).resolve().parents[1] / "data" / "block_hash_golden.json"
 VECTORS: list[dict[str, Any]] = json.loads(GOLDEN.read_text())
@@ -163,3 +169,47 @@ def test_partial_match_compares_tokens_only_within_a_namespace() -> None:
     assert a.partial_match(BlockKey(tokens=[1, 2, 3], cache_salt_id=1)) == 0
     with_extra = BlockKey(tokens=[1, 2, 3], extra_ids=[0, 5, 0], uses_extra_ids=True)
     assert a.partial_match(with_extra) == 1
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_plain_kernel_matches_the_python_hasher(seed: int) -> None:
+    """`block_hash_array` takes a short kernel for plain prompts: the same hashes as the Python
+    reference on random prompts (lengths, block sizes, ids that wrap, lists and arrays)."""
+    rng = random.Random(seed)
+    for _ in range(20):
+        tokens_per_block = rng.choice([1, 2, 4, 16, 32, 64])
+        n = rng.randrange(0, 6 * tokens_per_block + 3)
+        tokens = [rng.randrange(-(2**31), 2**32) for _ in range(n)]
+        expected = [int(h) for h in block_hash_array(tokens, tokens_per_block, use_numba=False)]
+        for given in (tokens, as_token_array(tokens), np.array(tokens, dtype=np.int64)):
+            compiled = block_hash_array(given, tokens_per_block)
+            assert compiled.dtype == np.uint64
+            assert compiled.tolist() == expected
+            assert block_hashes_for_tokens(given, tokens_per_block) == expected
+        # The general kernel (any namespace) agrees too, and so does the per-key reference.
+        num_full = n // tokens_per_block
+        arr = as_token_array(tokens)[: num_full * tokens_per_block]
+        assert hash_token_blocks(arr, tokens_per_block, num_full).tolist() == expected
+        parent = 0
+        for b in range(num_full):
+            key = BlockKey(tokens=tokens[b * tokens_per_block : (b + 1) * tokens_per_block])
+            parent = block_key_hash(key, parent)
+            assert expected[b] == parent
+
+
+def test_block_hash_array_keeps_every_namespace() -> None:
+    tokens = list(range(40))
+    item = MultimodalItem(bytes(range(32)), start=10, length=12)
+    for kwargs in (
+        {"lora_task_id": 5},
+        {"cache_salt_id": 9},
+        {"extra_ids": [i % 3 for i in range(40)]},
+        {"multimodal": [item]},
+    ):
+        expected = block_hashes_for_tokens(tokens, 16, **kwargs)
+        assert block_hash_array(tokens, 16, **kwargs).tolist() == expected
+        python = block_hash_array(tokens, 16, use_numba=False, **kwargs)
+        assert python.tolist() == expected
+        assert expected != block_hashes_for_tokens(tokens, 16)
+    with pytest.raises(ValueError, match="tokens_per_block must be positive"):
+        block_hash_array([1], 0)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import random
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -24,6 +27,7 @@ from cache import (
     block_hashes_for_tokens,
 )
 from cache.window import WindowBlockManager
+from events.errors import InvalidEventError
 from events.index import GPU_TIER, HOST_TIER, PrefixIndex
 from tests.cache.factories import make_manager, req
 
@@ -491,7 +495,7 @@ def tree_blocks(wm: WindowBlockManager) -> dict[int, int]:
 
 def tree_match(wm: WindowBlockManager, hashes: list[int]) -> int:
     """Leading blocks of `hashes` present in the manager's reuse tree (walked from the root)."""
-    node, n = wm.root, 0
+    node, n = wm.tree.root, 0
     for h in hashes:
         child = node.next_blocks.get(h)
         if child is None:
@@ -613,3 +617,146 @@ def test_index_follows_partial_reuse(ops: list[tuple[Any, ...]]) -> None:
 
     probes += run_ops(mgr, ops, step)
     assert_same_state(index, replay(index), probes)
+
+
+# -- the compiled table against the pure-Python one ------------------------------------------
+
+POOL = block_hashes_for_tokens(list(range(600)), 2)  # 300 chained hashes to draw chains from
+needs_numba = pytest.mark.skipif(
+    not PrefixIndex().compiled, reason="no numba (or KVMESH_NO_NUMBA): only the Python table"
+)
+
+
+def random_op(rng: random.Random, num_workers: int) -> tuple[str, KVCacheEvent | None]:
+    """An event of a random worker: mostly stores (mixed tiers, repeated hashes, the parent in
+    the chain), removals (some of blocks not held), tier moves, priority changes, restarts;
+    None means "forget the worker"."""
+    worker = f"w{rng.randrange(num_workers)}"
+    kind = rng.random()
+    if kind < 0.45:
+        start = rng.randrange(len(POOL))
+        chain = [POOL[(start + k) % len(POOL)] for k in range(rng.randrange(1, 40))]
+        if rng.random() < 0.05:
+            chain.append(rng.choice(chain))  # refused: a hash twice
+        parent = None if rng.random() < 0.3 else rng.choice(POOL)
+        r = rng.random()
+        level: int | list[int] = (
+            0 if r < 0.4 else 1 if r < 0.6 else [rng.randrange(2) for _ in chain]
+        )
+        return worker, stored(parent, chain, level)
+    if kind < 0.7:
+        return worker, removed(rng.sample(POOL, rng.randrange(0, 30)))
+    if kind < 0.85:
+        return worker, moved(rng.choice(POOL), 0, rng.randrange(2))
+    if kind < 0.9:
+        priority = UpdatedData(rng.choice(POOL), priority=EventDiff(35, 80))
+        return worker, KVCacheEvent(0, priority, WINDOW)
+    if kind < 0.95:
+        return worker, created()
+    return worker, None
+
+
+def assert_identical(a: PrefixIndex, b: PrefixIndex, requests: list[list[int]]) -> None:
+    """Same answers to every question, orders included (workers, blocks, dumped events)."""
+    assert a.stats() == b.stats()
+    assert a.workers() == b.workers()
+    assert len(a) == len(b)
+    assert a.num_unknown_block_refs == b.num_unknown_block_refs
+    for worker in a.workers():
+        blocks = a.worker_blocks(worker)
+        assert list(b.worker_blocks(worker).items()) == list(blocks.items())
+        assert {h: b.parent_of(h) for h in blocks} == {h: a.parent_of(h) for h in blocks}
+        assert a.num_blocks(worker) == b.num_blocks(worker)
+        assert a.dump_events(worker) == b.dump_events(worker)
+    for request in requests:
+        expected = a.find_matches(request)
+        assert list(b.find_matches(request).items()) == list(expected.items())
+        assert b.find_matches(np.array(request, dtype=np.uint64)) == expected
+        assert b.find_matches_by_tier(request) == a.find_matches_by_tier(request)
+
+
+@needs_numba
+@pytest.mark.parametrize("num_workers", [3, 40])
+@pytest.mark.parametrize("seed", range(4))
+def test_compiled_table_equals_the_python_table(seed: int, num_workers: int) -> None:
+    """Random streams (past 32 workers a second word of bits; past 192 hashes the table grows;
+    removals shift rows back) give the same state, matches and errors in both tables."""
+    rng = random.Random(seed)
+    compiled = PrefixIndex(compiled=True)
+    python = PrefixIndex(compiled=False)
+    exact = (compiled, python)
+    monotone = (
+        PrefixIndex(compiled=True, assume_monotone=True),
+        PrefixIndex(compiled=False, assume_monotone=True),
+    )
+    assert compiled.compiled and not python.compiled
+    requests = [POOL[k : k + rng.randrange(1, 60)] for k in range(0, 300, 7)]
+    requests += [[*POOL[:5], 12345], [], [2**64 - 1, *POOL[:3]]]
+    peak = most = 0
+    for step in range(400):
+        worker, event = random_op(rng, num_workers)
+        outcomes: list[bool | str | None] = []
+        for index in (*exact, *monotone):
+            if event is None:
+                outcomes.append(index.remove_worker(worker))
+                continue
+            try:
+                index.apply_event(worker, event)
+                outcomes.append(None)
+            except InvalidEventError as exc:
+                outcomes.append(str(exc))
+        assert len(set(outcomes)) == 1, outcomes
+        peak = max(peak, len(compiled))
+        most = max(most, len(compiled.workers()))
+        if step % 40 == 39:
+            assert_identical(python, compiled, requests)
+            assert_identical(monotone[1], monotone[0], requests)
+    assert_identical(python, compiled, requests)
+    assert peak > 192  # the first table's fill limit: it grew
+    assert most > min(32, num_workers - 1)  # with 40, a second word of worker bits
+
+
+@needs_numba
+@settings(max_examples=60)
+@given(st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=60))
+def test_compiled_table_equals_the_python_table_on_short_streams(seeds: list[int]) -> None:
+    compiled, python = PrefixIndex(compiled=True), PrefixIndex(compiled=False)
+    for seed in seeds:
+        worker, event = random_op(random.Random(seed), 5)
+        for index in (compiled, python):
+            if event is None:
+                index.remove_worker(worker)
+            else:
+                with contextlib.suppress(InvalidEventError):
+                    index.apply_event(worker, event)
+    assert_identical(python, compiled, [POOL[:40], POOL[100:140], POOL[5:9]])
+
+
+def test_find_matches_takes_lists_and_arrays_and_ignores_what_is_not_a_hash() -> None:
+    for compiled in {PrefixIndex().compiled, False}:
+        index = three_workers(compiled=compiled)
+        assert index.find_matches(np.array(H, dtype=np.uint64)) == {"a": 3, "b": 6, "c": 2}
+        # Nothing is held under a value that is not a 64-bit hash: the match ends there.
+        assert index.find_matches([*H[:2], -1, *H[2:]]) == {"a": 2, "b": 2, "c": 2}
+        assert index.find_matches([*H[:3], "x", *H[3:]]) == {"a": 3, "b": 3, "c": 2}  # type: ignore[list-item]
+        assert index.find_matches([2**64, *H]) == {}
+        with pytest.raises(KeyError):
+            index.parent_of(2**64)
+        with pytest.raises(KeyError):
+            index.parent_of(COLD[0])
+
+
+def test_a_broken_compiled_table_falls_back_to_the_dict(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken() -> None:
+        raise RuntimeError("no LLVM here")
+
+    monkeypatch.setattr(events.index, "_self_test", broken)
+    events.index._compiled_table_works.cache_clear()
+    try:
+        index = three_workers()
+        assert not index.compiled
+        assert index.find_matches(H) == {"a": 3, "b": 6, "c": 2}
+        with pytest.raises(RuntimeError, match="needs numba"):
+            PrefixIndex(compiled=True)
+    finally:
+        events.index._compiled_table_works.cache_clear()
