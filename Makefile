@@ -61,6 +61,13 @@ pytest: $(STAMP)
 # pytest last: its summary line is the last line of output (CI reads it).
 test: lint typecheck pytest
 
+# A long random run of the cache state machine against its model (about 1,000 runs of 80 steps,
+# minutes), before and after changes to cache/'s hot paths. KVMESH_HYPOTHESIS_EXAMPLES=N sets
+# the number of runs; a failure prints the seed and the blob to reproduce it.
+.PHONY: test-long
+test-long: $(STAMP)
+	KVMESH_HYPOTHESIS=long $(BIN)/pytest --timeout=0 tests/cache/test_state_machine.py
+
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis build *.egg-info
 	find . -name __pycache__ -type d -prune -not -path './.git/*' -exec rm -rf {} +

@@ -4,15 +4,15 @@ Every block object is made once, when its window manager is built, and is indexe
 carries three sets of links:
 
 * its *memory slot* (`memory_index`, `is_primary`), swapped with another block on offload/onboard;
-* its place in the reuse (radix) tree: `prev_block` (tree parent; None when not in the tree) and
-  `next_blocks` (children by chained hash);
+* its place in the reuse (radix) tree (`cache.radix`): `prev_block` (tree parent; None when not
+  in the tree) and `next_blocks` (children by chained hash);
 * intrusive free-queue links (`q_prev`, `q_next`, `q_level`, `q_priority`) owned by the eviction
   policy, so that claiming a block from the middle of a queue is O(1) and allocates nothing.
 """
 
 from __future__ import annotations
 
-from cache.hashing import BlockKey
+from cache.hashing import BlockHash, BlockKey
 from cache.retention import DEFAULT_PRIORITY
 
 ROOT_BLOCK_ID = -1
@@ -50,7 +50,9 @@ class KVCacheBlock:
         self.scheduling_ref_count = 0
         self.key: BlockKey = EMPTY_KEY
         self.is_full = False
-        self.hash = 0
+        # The chained hash (a BlockHash); typed int so that callers' collections of it stay
+        # plain ints.
+        self.hash: int = BlockHash(0)
         self.cache_salt: str | None = None
         self.priority = DEFAULT_PRIORITY
         self.duration_s: float | None = None
@@ -96,7 +98,7 @@ class KVCacheBlock:
         """Hold nothing any more (a block dropped from the tree on purpose)."""
         self.key = EMPTY_KEY
         self.is_full = False
-        self.hash = 0
+        self.hash = BlockHash(0)
 
     def swap_memory_pool_block_offset(self, other: KVCacheBlock) -> None:
         self.memory_index, other.memory_index = other.memory_index, self.memory_index
@@ -106,41 +108,6 @@ class KVCacheBlock:
         if self.ref_count <= 0:
             raise RuntimeError(f"can't remove a reference from block {self.block_id}: it has none")
         self.ref_count -= 1
-
-    def find_matching_block(
-        self, key: BlockKey, key_hash: int, partial_reuse: bool, copy_on_partial_reuse: bool
-    ) -> tuple[bool, int, KVCacheBlock | None]:
-        """KVCacheBlock::findMatchingBlock -> (partial?, tokens matched, block).
-
-        Children are indexed by their chained hash; `key_hash` is the hash `key` gets below this
-        block, and a hit is confirmed by comparing keys, so a hash collision is a miss.
-        """
-        if not key.tokens or not self.next_blocks:
-            return False, 0, None
-        block = self.next_blocks.get(key_hash)
-        if block is not None and block.key == key:
-            return not block.is_full, len(key.tokens), block
-        if partial_reuse:
-            best_matched = 0
-            best: KVCacheBlock | None = None
-            for child in self.next_blocks.values():
-                if copy_on_partial_reuse or (child.ref_count == 0 and not child.next_blocks):
-                    matched = child.key.partial_match(key)
-                    if matched > best_matched:
-                        best_matched, best = matched, child
-            if best is not None:
-                return True, best_matched, best
-        return False, 0, None
-
-    def free_leaf_block(self) -> None:
-        """Detach this leaf from its tree parent."""
-        if self.next_blocks:
-            raise RuntimeError(f"block {self.block_id} is not a leaf")
-        parent = self.prev_block
-        if parent is not None:
-            if parent.next_blocks.get(self.hash) is self:
-                del parent.next_blocks[self.hash]
-            self.prev_block = None
 
     def __repr__(self) -> str:
         return (

@@ -8,6 +8,9 @@ of the same window joins that event (as in the seed) and takes no new id.
 
 `KVCacheEvent.to_dict()` is TensorRT-LLM's JSON shape; `from_dict()` reads it back, so events
 from a real TensorRT-LLM worker and from ours are the same objects.
+
+With events off a manager writes into `NullEventSink`, which drops everything: the code that
+enqueues never asks whether anyone listens (`EventSink` is the port both implement).
 """
 
 from __future__ import annotations
@@ -16,9 +19,20 @@ import threading
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from operator import attrgetter
+from typing import Any, Literal, Protocol
 
 from cache.block import KVCacheBlock
+
+_hash = attrgetter("hash")
+_tokens = attrgetter("key.tokens")
+_extra_ids = attrgetter("key.extra_ids")
+_is_primary = attrgetter("is_primary")
+_priority = attrgetter("priority")
+_extra_keys = attrgetter("key.extra_keys")
+_cache_salt = attrgetter("cache_salt")
+_lora_task_id = attrgetter("key.lora_task_id")
+_CACHE_LEVEL = {True: 0, False: 1}  # is_primary -> the cache level events report
 
 
 @dataclass(slots=True)
@@ -199,6 +213,62 @@ class KVCacheEvent:
             raise ValueError(f"malformed KV cache event: missing or bad field {exc}") from exc
 
 
+class EventSink(Protocol):
+    """Where a manager's windows write their events, and where the manager drains them."""
+
+    num_dropped: int
+
+    @property
+    def next_event_id(self) -> int: ...
+
+    def enqueue_created(
+        self, num_blocks_per_cache_level: Sequence[int], window_size: int
+    ) -> None: ...
+
+    def enqueue_stored(self, blocks: Sequence[KVCacheBlock], window_size: int) -> None: ...
+
+    def enqueue_removed(self, block_hash: int, window_size: int) -> None: ...
+
+    def enqueue_removed_many(self, block_hashes: Sequence[int], window_size: int) -> None: ...
+
+    def enqueue_updated(self, data: UpdatedData, window_size: int) -> None: ...
+
+    def flush(self) -> None: ...
+
+    def get_events(self, timeout: float | None = None) -> list[KVCacheEvent]: ...
+
+
+class NullEventSink:
+    """Events off: every event is dropped unseen (no id is used, nothing is counted)."""
+
+    num_dropped = 0
+
+    @property
+    def next_event_id(self) -> int:
+        return 0
+
+    def enqueue_created(self, num_blocks_per_cache_level: Sequence[int], window_size: int) -> None:
+        pass
+
+    def enqueue_stored(self, blocks: Sequence[KVCacheBlock], window_size: int) -> None:
+        pass
+
+    def enqueue_removed(self, block_hash: int, window_size: int) -> None:
+        pass
+
+    def enqueue_removed_many(self, block_hashes: Sequence[int], window_size: int) -> None:
+        pass
+
+    def enqueue_updated(self, data: UpdatedData, window_size: int) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+    def get_events(self, timeout: float | None = None) -> list[KVCacheEvent]:
+        return []
+
+
 class KVCacheEventManager:
     """Per-manager event buffer: per-iteration list -> bounded queue -> consumer."""
 
@@ -230,19 +300,20 @@ class KVCacheEventManager:
         parent_hash = (
             None if first_parent is None or first_parent.block_id < 0 else first_parent.hash
         )
-        stored = [
-            StoredBlock(
-                b.hash,
-                b.key.tokens,
-                b.key.extra_ids,
-                0 if b.is_primary else 1,
-                b.priority,
-                b.key.extra_keys,
-                b.cache_salt,
-                b.key.lora_task_id,
+        # One column per field, each read in a C loop; then one constructor call per block.
+        stored = list(
+            map(
+                StoredBlock,
+                map(_hash, blocks),
+                map(_tokens, blocks),
+                map(_extra_ids, blocks),
+                map(_CACHE_LEVEL.__getitem__, map(_is_primary, blocks)),
+                map(_priority, blocks),
+                map(_extra_keys, blocks),
+                map(_cache_salt, blocks),
+                map(_lora_task_id, blocks),
             )
-            for b in blocks
-        ]
+        )
         self._enqueue(StoredData(parent_hash, stored), window_size)
 
     def enqueue_removed(self, block_hash: int, window_size: int) -> None:
@@ -252,6 +323,17 @@ class KVCacheEventManager:
                 last.data.block_hashes.append(block_hash)
                 return
         self._enqueue(RemovedData([block_hash]), window_size)
+
+    def enqueue_removed_many(self, block_hashes: Sequence[int], window_size: int) -> None:
+        """`enqueue_removed` for each hash in turn: they all join one event."""
+        if not block_hashes:
+            return
+        if self._iteration:
+            last = self._iteration[-1]
+            if isinstance(last.data, RemovedData) and last.window_size == window_size:
+                last.data.block_hashes.extend(block_hashes)
+                return
+        self._enqueue(RemovedData(list(block_hashes)), window_size)
 
     def enqueue_updated(self, data: UpdatedData, window_size: int) -> None:
         self._enqueue(data, window_size)

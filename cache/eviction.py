@@ -120,6 +120,81 @@ class LRUEvictionPolicy:
     def get_num_free_blocks(self, level: int) -> int:
         return self._num_free[level]
 
+    def take_free_blocks(self, level: int, count: int) -> list[KVCacheBlock]:
+        """The next `count` blocks `get_free_block` would hand out, taken out of their queues at
+        once (popleft_n). Each keeps `q_priority`, the queue it came from; the caller claims
+        them (priority, duration). Raises OutOfBlocksError, taking nothing, if too few are free.
+        """
+        if count > self._num_free[level]:
+            raise OutOfBlocksError(
+                f"{count} blocks asked at cache level {level}, {self._num_free[level]} free"
+            )
+        taken: list[KVCacheBlock] = []
+        if count <= 0:
+            return taken
+        queues = self._queues[level]
+        mask = self._masks[level]
+        append = taken.append
+        while count:
+            priority = (mask & -mask).bit_length() - 1
+            sentinel = queues[priority]
+            block = sentinel.q_next
+            assert block is not None
+            while count and block is not sentinel:
+                assert block is not None
+                append(block)
+                block.q_level = -1
+                block.q_prev = None
+                nxt = block.q_next
+                block.q_next = None
+                block = nxt
+                count -= 1
+            assert block is not None
+            sentinel.q_next = block
+            block.q_prev = sentinel
+            if block is sentinel:
+                mask &= ~(1 << priority)
+        self._masks[level] = mask
+        self._num_free[level] -= len(taken)
+        return taken
+
+    def release_blocks(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """`release_block` for each block in turn, at the tails of their queues (append_n)."""
+        queues = self._queues
+        masks = self._masks
+        num_free = self._num_free
+        for block in blocks:
+            if block.q_level >= 0:
+                raise RuntimeError(f"block {block.block_id} is already free")
+            level = PRIMARY_LEVEL if block.is_primary else SECONDARY_LEVEL
+            priority = block.priority
+            sentinel = queues[level][priority]
+            last = sentinel.q_prev
+            assert last is not None
+            block.q_prev = last
+            block.q_next = sentinel
+            last.q_next = block
+            sentinel.q_prev = block
+            block.q_level = level
+            block.q_priority = priority
+            masks[level] |= 1 << priority
+            num_free[level] += 1
+            if block.duration_s is not None and priority != DEFAULT_PRIORITY:
+                block.expiry_token += 1
+                self._expiry_seq += 1
+                expiry = self._clock() + block.duration_s
+                heapq.heappush(
+                    self._expiry_heap, (expiry, self._expiry_seq, block.expiry_token, block)
+                )
+
+    def iter_free(self, level: int) -> Iterator[KVCacheBlock]:
+        """The free blocks of `level` in the order they would be handed out (lazily)."""
+        mask = self._masks[level]
+        while mask:
+            priority = (mask & -mask).bit_length() - 1
+            yield from self.queued_blocks(level, priority)
+            mask &= mask - 1
+
     def claim_block(
         self, block: KVCacheBlock, priority: int | None = None, duration_s: float | None = None
     ) -> None:

@@ -14,13 +14,13 @@ import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, NamedTuple
 
 from cache import capacity
 from cache.block import KVCacheBlock
 from cache.errors import DuplicateRequestError, OutOfBlocksError, UnknownRequestError
-from cache.events import KVCacheEvent, KVCacheEventManager
-from cache.hashing import BlockKey
+from cache.events import EventSink, KVCacheEvent, KVCacheEventManager, NullEventSink
+from cache.hashing import BlockHash, BlockKey
 from cache.request import INT_MAX, GenerationRequest, LlmRequest, RequestState
 from cache.transfer import NoOpTransferEngine, TransferEngine
 from cache.window import WindowBlockManager
@@ -59,6 +59,17 @@ class WindowCapacity:
     secondary: int
     free_primary: int
     free_secondary: int
+
+
+class WindowPlan(NamedTuple):
+    """What add_sequence does in one window: its share of the input, and the keys it matches."""
+
+    window: WindowBlockManager
+    input_length: int
+    num_context_blocks: int
+    keys: list[BlockKey]
+    hashes: list[BlockHash]
+    max_num_blocks: int  # free blocks it takes at most (one per position, per beam at the tail)
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -137,8 +148,10 @@ class KVCacheManager:
         self.enable_block_reuse = enable_block_reuse
         self.device = device
         self.dtype = dtype
-        self.events = (
-            KVCacheEventManager(event_buffer_max_size) if event_buffer_max_size > 0 else None
+        self.events: EventSink = (
+            KVCacheEventManager(event_buffer_max_size)
+            if event_buffer_max_size > 0
+            else NullEventSink()
         )
         self.clock = clock or time.monotonic
         self.window_to_layers = group_layers_by_window_size(max_attention_window, num_layers)
@@ -167,7 +180,7 @@ class KVCacheManager:
                 is_swa=window < max_sequence_length,
                 onboard_blocks=onboard_blocks,
                 secondary_offload_min_priority=secondary_offload_min_priority,
-                event_manager=self.events,
+                events=self.events,
                 enable_partial_reuse=enable_partial_reuse,
                 copy_on_partial_reuse=copy_on_partial_reuse,
                 transfer=engine or NoOpTransferEngine(),
@@ -338,30 +351,28 @@ class KVCacheManager:
         # sequence takes at most one free primary block (a beam-search tail one per beam); when
         # every window has that many free, no dry run of the matching walk is needed.
         beam = request.beam_width
-        plans: list[tuple[WindowBlockManager, int, int, list[BlockKey], list[int]]] = []
-        bounds: list[int] = []
-        key_cache: dict[int, tuple[list[BlockKey], list[int]]] = {}
+        plans: list[WindowPlan] = []
+        key_cache: dict[int, tuple[list[BlockKey], list[BlockHash]]] = {}
         for window, wm in self.windows.items():
             effective = min(input_length, self.max_token_num[window])
             num_context_blocks = _ceil_div(effective, tpb)
             keys: list[BlockKey] = []
-            hashes: list[int] = []
+            hashes: list[BlockHash] = []
             if reuse:
                 if effective not in key_cache:
                     key_cache[effective] = wm.context_keys(request, effective, encoder)
                 keys, hashes = key_cache[effective]
             shared = num_context_blocks - 1 if beam > 1 else num_context_blocks
-            bounds.append(shared + (num_context_blocks - shared) * beam)
-            plans.append((wm, effective, num_context_blocks, keys, hashes))
-        free = [wm.get_num_free_blocks() for wm, *_ in plans]
-        if any(bound > n for bound, n in zip(bounds, free, strict=True)):
-            self._check_room(request, sequence, plans, bounds, reuse, encoder)
+            bound = shared + (num_context_blocks - shared) * beam
+            plans.append(WindowPlan(wm, effective, num_context_blocks, keys, hashes, bound))
+        if any(plan.max_num_blocks > plan.window.get_num_free_blocks() for plan in plans):
+            self._check_room(request, sequence, plans, reuse, encoder)
 
         before = self._counters()
         for wm in self.windows.values():
             wm.valid_store_for_reuse[rid] = True
         self.sequences[rid] = sequence
-        for wm, effective, num_context_blocks, keys, hashes in plans:
+        for wm, effective, num_context_blocks, keys, hashes, _ in plans:
             if reuse:
                 prepopulated = wm.add_sequence(
                     sequence, effective, num_context_blocks, keys, hashes
@@ -376,6 +387,9 @@ class KVCacheManager:
                 wm.add_sequence_without_reuse(
                     sequence, num_context_blocks, encoder or effective % tpb == 0
                 )
+        if reuse:
+            for plan in plans:  # the keys now hold the tree's objects where they matched
+                request.share_block_keys(tpb, plan.keys, encoder)
         self._flush_transfers()
         after = self._counters()
         request.alloc_total_blocks += after[0] - before[0]
@@ -388,30 +402,27 @@ class KVCacheManager:
         self,
         request: LlmRequest,
         sequence: GenerationRequest,
-        plans: list[tuple[WindowBlockManager, int, int, list[BlockKey], list[int]]],
-        bounds: list[int],
+        plans: Sequence[WindowPlan],
         reuse: bool,
         encoder: bool,
     ) -> None:
-        """Raise OutOfBlocksError, before any change, if add_sequence would run out of blocks."""
-        cap = INT_MAX
-        onboarded_before = False
-        for plan, bound in zip(plans, bounds, strict=True):
-            wm, effective, num_context_blocks, keys, hashes = plan
-            share_last = encoder or effective % self.tokens_per_block == 0
-            need, matched, onboarded = wm.count_blocks_needed(
-                keys, hashes, sequence, num_context_blocks, cap, reuse, share_last
+        """Raise OutOfBlocksError, before any change, exactly when add_sequence would run out
+        of blocks in some window (the seed would throw there, half way)."""
+        cap = INT_MAX  # a window reuses at most what the windows before it reused
+        for plan in plans:
+            wm = plan.window
+            share_last = encoder or plan.input_length % self.tokens_per_block == 0
+            need, matched = wm.count_blocks_needed(
+                plan.keys, plan.hashes, sequence, plan.num_context_blocks, cap, reuse, share_last
             )
-            if reuse and onboarded_before:
-                need = bound  # an earlier window may match less than planned
             free = wm.get_num_free_blocks()
             if need > free:
                 raise OutOfBlocksError(
                     f"request {request.request_id} needs {need} blocks in window "
                     f"{wm.window_size}, {free} free"
                 )
-            cap = min(cap, matched)
-            onboarded_before = onboarded_before or onboarded
+            if reuse:
+                cap = matched
 
     def _counters(self) -> tuple[int, int, int, int]:
         ws = self.windows.values()
@@ -754,7 +765,7 @@ class KVCacheManager:
 
     def find_block_by_hash(self, block_hash: int, window_size: int | None = None) -> Any:
         """The block of the reuse tree with this chained hash, or None."""
-        return self._window(window_size).blocks_by_hash().get(block_hash)
+        return self._window(window_size).find_block_by_hash(block_hash)
 
     def refresh_blocks(self) -> None:
         for wm in self.windows.values():
@@ -826,11 +837,10 @@ class KVCacheManager:
     # -- events ------------------------------------------------------------------------------------
 
     def flush_iteration_events(self) -> None:
-        if self.events is not None:
-            self.events.flush()
+        self.events.flush()
 
     def get_latest_events(self, timeout: float | None = None) -> list[KVCacheEvent]:
-        return self.events.get_events(timeout) if self.events is not None else []
+        return self.events.get_events(timeout)
 
     def take_events(self) -> list[KVCacheEvent]:
         """Flush this iteration's events and drain them all (the publisher's call)."""
@@ -839,9 +849,9 @@ class KVCacheManager:
 
     @property
     def num_dropped_events(self) -> int:
-        return self.events.num_dropped if self.events is not None else 0
+        return self.events.num_dropped
 
     @property
     def last_event_id(self) -> int:
         """The id of the newest event handed out so far; -1 before the first (or events off)."""
-        return self.events.next_event_id - 1 if self.events is not None else -1
+        return self.events.next_event_id - 1

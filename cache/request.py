@@ -9,14 +9,15 @@ matched and stored. `GenerationRequest` is the manager's own per-sequence state.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from enum import Enum
-from typing import Any
+from typing import Any, Protocol, cast
 
 import numpy as np
 import numpy.typing as npt
 
 from cache.hashing import (
+    BlockHash,
     BlockKey,
     MultimodalItem,
     as_token_array,
@@ -28,6 +29,11 @@ from cache.hashing import (
 from cache.retention import DEFAULT_RETENTION, RetentionConfig, TransferMode
 
 INT_MAX = 2**31 - 1
+
+
+class _HasKey(Protocol):
+    @property
+    def key(self) -> BlockKey: ...
 
 
 def chop_vector_into_blocks(
@@ -103,8 +109,10 @@ class LlmRequest:
         self.reused_blocks = 0
         self.missed_blocks = 0
         # Chained hashes of full blocks, per tokens_per_block (and source of tokens).
-        self._hash_cache: dict[tuple[int, bool], list[int]] = {}
+        self._hash_cache: dict[tuple[int, bool], list[BlockHash]] = {}
         self._key_cache: dict[tuple[int, bool], list[BlockKey]] = {}
+        # (tokens_per_block, encoder) -> (usable tokens, partial tail key, its hash)
+        self._tail_cache: dict[tuple[int, bool], tuple[int, BlockKey, int]] = {}
         self._mm_arrays: Any = None
 
     @property
@@ -143,6 +151,7 @@ class LlmRequest:
 
     def _trim_caches(self) -> None:
         """Forget cached keys and hashes of blocks the token list no longer fills."""
+        self._tail_cache.clear()
         for (tokens_per_block, encoder), cache in self._key_cache.items():
             del cache[len(self._source(encoder)[0]) // tokens_per_block :]
         for (tokens_per_block, encoder), hashes in self._hash_cache.items():
@@ -161,11 +170,18 @@ class LlmRequest:
         return self.tokens, self.extra_ids
 
     def block_keys(
-        self, tokens_per_block: int, usable: int, allow_partial: bool, encoder: bool = False
+        self,
+        tokens_per_block: int,
+        usable: int,
+        allow_partial: bool,
+        encoder: bool = False,
+        known: Mapping[int, _HasKey] | None = None,
     ) -> list[BlockKey]:
         """chopVectorIntoBlocks + buildBlockKeys over the first `usable` tokens.
 
-        Keys of full blocks are cached: tokens are append-only, so they never change.
+        Keys of full blocks are cached: tokens are append-only, so they never change. `known`
+        (a reuse tree's blocks by chained hash) lends its equal keys instead of new ones, so
+        that matching them against the tree compares by identity.
         """
         tokens = self._source(encoder)[0]
         usable = max(0, min(usable, len(tokens)))
@@ -174,34 +190,96 @@ class LlmRequest:
         if len(cache) * tokens_per_block > len(tokens):
             self._trim_caches()  # the token list was shortened behind our back
         if len(cache) < num_full:
+            start = len(cache)
+            lent = None
+            if known:
+                hashes = self.block_hashes(
+                    tokens_per_block, num_full * tokens_per_block, False, encoder
+                )
+                lent = list(map(known.get, hashes[start:num_full]))
             cache.extend(
                 self._make_keys(
-                    len(cache) * tokens_per_block,
+                    start * tokens_per_block,
                     num_full * tokens_per_block,
                     tokens_per_block,
                     encoder,
+                    lent,
                 )
             )
         keys = cache[:num_full]
         if allow_partial and usable % tokens_per_block:
-            keys += self._make_keys(num_full * tokens_per_block, usable, tokens_per_block, encoder)
+            keys.append(self._tail(tokens_per_block, usable, encoder)[0])
         return keys
 
+    def share_block_keys(
+        self, tokens_per_block: int, keys: Sequence[BlockKey], encoder: bool = False
+    ) -> None:
+        """Keep `keys` (equal to what `block_keys` returned, position by position, some of
+        them the reuse tree's own objects) as the cached keys of the full blocks, so that the
+        next walk of the tree compares them by identity."""
+        cache = self._key_cache.get((tokens_per_block, encoder))
+        if cache:
+            n = min(len(cache), len(keys))
+            cache[:n] = keys[:n]
+
+    def _tail(self, tokens_per_block: int, usable: int, encoder: bool) -> tuple[BlockKey, int]:
+        """The key of the partial block after the full ones, and its hash below them (the hash
+        is cached: a request is added and released with the same partial tail)."""
+        num_full = usable // tokens_per_block
+        key = self._make_keys(num_full * tokens_per_block, usable, tokens_per_block, encoder)[0]
+        cached = self._tail_cache.get((tokens_per_block, encoder))
+        # The same key below the same full blocks (whose cached hashes stay valid) has the
+        # same hash; tokens may have been rewritten in place, so the key is compared.
+        if cached is not None and cached[0] == usable and cached[1] == key:
+            return cached[1], cached[2]
+        hashes = self.block_hashes(tokens_per_block, num_full * tokens_per_block, False, encoder)
+        key_hash = block_key_hash(key, hashes[-1] if hashes else 0)
+        self._tail_cache[(tokens_per_block, encoder)] = (usable, key, key_hash)
+        return key, key_hash
+
     def _make_keys(
-        self, start: int, stop: int, tokens_per_block: int, encoder: bool
+        self,
+        start: int,
+        stop: int,
+        tokens_per_block: int,
+        encoder: bool,
+        lent: Sequence[_HasKey | None] | None = None,
     ) -> list[BlockKey]:
-        """Keys of the blocks of tokens [start, stop); `start` lies on a block boundary."""
+        """Keys of the blocks of tokens [start, stop); `start` lies on a block boundary.
+
+        `lent[i]`, where given, is a block whose key is used for block i if it is equal (the
+        same tokens in the same namespace) instead of a new one."""
         tokens, extra = self._source(encoder)
         make = BlockKey._make
         lora, salt = self.lora_task_id, self.cache_salt_id
         starts = range(start, stop, tokens_per_block)
         if extra is None and not self.multimodal:
-            return [
-                make(
-                    tuple(tokens[b : min(b + tokens_per_block, stop)]), None, False, lora, (), salt
-                )
-                for b in starts
-            ]
+            full_stop = start + (stop - start) // tokens_per_block * tokens_per_block
+            # Full blocks as tuples in one C-level pass (zip over one iterator, tpb at a time).
+            chunks: list[tuple[int, ...]] = list(
+                zip(*[iter(tokens[start:full_stop])] * tokens_per_block, strict=False)
+            )
+            if full_stop < stop:
+                chunks.append(tuple(tokens[full_stop:stop]))
+            if not lent:
+                return [make(chunk, None, False, lora, (), salt) for chunk in chunks]
+            out: list[BlockKey] = []
+            for chunk, block in zip(chunks, lent, strict=False):
+                if block is not None:
+                    key = block.key  # BlockKey.__eq__ against this request's key, unrolled
+                    if (
+                        key.tokens == chunk
+                        and key.extra_ids is None
+                        and not key.uses_extra_ids
+                        and key.lora_task_id == lora
+                        and not key.extra_keys
+                        and key.cache_salt_id == salt
+                    ):
+                        out.append(key)
+                        continue
+                out.append(make(chunk, None, False, lora, (), salt))
+            out.extend(make(chunk, None, False, lora, (), salt) for chunk in chunks[len(out) :])
+            return out
         uses_extra = extra is not None
         keys = []
         for b in starts:
@@ -227,7 +305,7 @@ class LlmRequest:
 
     def block_hashes(
         self, tokens_per_block: int, usable: int, allow_partial: bool, encoder: bool = False
-    ) -> list[int]:
+    ) -> list[BlockHash]:
         """Chained hashes of the keys `block_keys` returns, full blocks cached on the request."""
         tokens, extra = self._source(encoder)
         usable = max(0, min(usable, len(tokens)))
@@ -254,11 +332,10 @@ class LlmRequest:
                 cache_salt_id=self.cache_salt_id,
                 mm=self._multimodal_arrays() if self.multimodal else None,
             )
-            cache.extend(new.tolist())
+            cache.extend(cast(list[BlockHash], new.tolist()))
         hashes = cache[:num_full]
         if allow_partial and usable % tokens_per_block:
-            tail = self.block_keys(tokens_per_block, usable, True, encoder)[-1]
-            hashes.append(block_key_hash(tail, hashes[-1] if hashes else 0))
+            hashes.append(BlockHash(self._tail(tokens_per_block, usable, encoder)[1]))
         return hashes
 
     def _multimodal_arrays(self) -> Any:

@@ -1,28 +1,56 @@
-"""WindowBlockManager: the blocks, reuse tree and eviction policy of one attention window size.
+"""WindowBlockManager: the blocks and sequences of one attention window size.
 
-A line-by-line port of the seed's WindowBlockManager. The reuse (radix) tree hangs below a root
-block; a block's children are indexed by their chained hash (a hit is confirmed by comparing
-keys), so matching a request costs one dict lookup per block: requests hash their blocks once,
-with the compiled hasher, and hand the hashes in alongside the keys.
+A port of the seed's WindowBlockManager. It owns the block pool (every block made once, indexed
+by id), the eviction policy (`cache.eviction`), the reuse tree (`cache.radix`) and the blocks of
+each live sequence, and writes its events into an `EventSink` (a do-nothing one when events
+are off).
 
-Where the seed throws half way through an allocation, `count_blocks_needed` is asked first, so a
-request that cannot get its blocks is refused before anything changes.
+Where the seed throws half way through an allocation, `count_blocks_needed` is asked first: a
+dry run of the same walk (`ReuseTree.match`) that counts exactly the free primary blocks the
+allocation will take, so a request that cannot get its blocks is refused before anything
+changes, and a request the seed admits is never refused. Every matched position costs one free
+block except a full match of a primary block that is already held (it is only claimed); an
+onboard takes a free block that may be a block the walk would match next, and the dry run
+follows those evictions block by block (`_count_with_onboards`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
-from cache.block import ROOT_BLOCK_ID, KVCacheBlock
+from cache.block import KVCacheBlock
 from cache.errors import OutOfBlocksError, PinConflictError, UnknownBlockError
-from cache.events import EventDiff, KVCacheEventManager, UpdatedData
+from cache.events import EventDiff, EventSink, UpdatedData
 from cache.eviction import PRIMARY_LEVEL, SECONDARY_LEVEL, LRUEvictionPolicy
-from cache.hashing import BlockKey, block_key_hash
+from cache.hashing import BlockHash, BlockKey, block_key_hash
+from cache.radix import ReuseTree, TreeMatch
 from cache.request import GenerationRequest, LlmRequest
 from cache.retention import DEFAULT_PRIORITY
 from cache.transfer import Slot, TransferEngine
 
 Retention = tuple[int | None, float | None]
+
+
+class ContextKeys(NamedTuple):
+    """The keys addSequence matches and their chained hashes, position by position."""
+
+    keys: list[BlockKey]
+    hashes: list[BlockHash]
+
+
+class BlockCount(NamedTuple):
+    """The dry run's answer: free primary blocks add_sequence takes, and tokens it reuses."""
+
+    num_blocks: int
+    num_matched_tokens: int
+
+
+class StoredBlocks(NamedTuple):
+    """storeBlocks' result: blocks newly put in the tree, and the ids it pinned."""
+
+    num_stored: int
+    pinned_ids: list[int]
 
 
 def _slot(block: KVCacheBlock) -> Slot:
@@ -40,7 +68,7 @@ class WindowBlockManager:
         is_swa: bool,
         onboard_blocks: bool,
         secondary_offload_min_priority: int | None,
-        event_manager: KVCacheEventManager | None,
+        events: EventSink,
         enable_partial_reuse: bool,
         copy_on_partial_reuse: bool,
         transfer: TransferEngine,
@@ -61,11 +89,11 @@ class WindowBlockManager:
         self.copy_on_partial_reuse = copy_on_partial_reuse
         self.report_leaf_takeover = report_leaf_takeover
         self.transfer = transfer
-        self.events = event_manager
+        self.events = events
         self.blocks: list[KVCacheBlock] = [
             KVCacheBlock(i, i, True) for i in range(num_primary_blocks)
         ] + [KVCacheBlock(num_primary_blocks + i, i, False) for i in range(num_secondary_blocks)]
-        self.root = KVCacheBlock(ROOT_BLOCK_ID, 0, True)
+        self.tree = ReuseTree(tokens_per_block, enable_partial_reuse, copy_on_partial_reuse)
         self.policy = LRUEvictionPolicy(
             self.blocks,
             secondary_offload_min_priority,
@@ -82,8 +110,12 @@ class WindowBlockManager:
         self.missed_blocks = 0
         self.reused_tokens = 0
         self.total_input_tokens = 0
-        if event_manager is not None:
-            event_manager.enqueue_created([num_primary_blocks, num_secondary_blocks], window_size)
+        events.enqueue_created([num_primary_blocks, num_secondary_blocks], window_size)
+
+    @property
+    def root(self) -> KVCacheBlock:
+        """The root of the reuse tree (holds no tokens; its children start prefixes)."""
+        return self.tree.root
 
     # -- counts ----------------------------------------------------------------------------------
 
@@ -106,33 +138,28 @@ class WindowBlockManager:
 
     # -- getting a block -------------------------------------------------------------------------
 
-    def _free_children(self, block: KVCacheBlock, forget_keys: bool = False) -> int:
-        """Remove `block` and its whole subtree from the reuse tree, leaves first; returns how
-        many blocks left it. With `forget_keys` they also lose their keys (hold nothing)."""
-        events = self.events
-        if not block.next_blocks:
-            if events is not None and block.key.tokens and block.prev_block is not None:
-                events.enqueue_removed(block.hash, self.window_size)
-            block.free_leaf_block()
-            if forget_keys:
-                block.forget_key()
-            return 1
-        # Iterative post-order: chains can be thousands of blocks deep.
-        stack: list[tuple[KVCacheBlock, bool]] = [(block, False)]
-        count = 0
-        while stack:
-            node, expanded = stack.pop()
-            if not expanded and node.next_blocks:
-                stack.append((node, True))
-                stack.extend((child, False) for child in reversed(list(node.next_blocks.values())))
-                continue
-            if events is not None and node.key.tokens and node.prev_block is not None:
-                events.enqueue_removed(node.hash, self.window_size)
-            node.free_leaf_block()
-            if forget_keys:
-                node.forget_key()
-            count += 1
+    def _drop_from_tree(self, block: KVCacheBlock, forget_keys: bool = False) -> int:
+        """freeChildren: `block` and its subtree leave the tree, each reported Removed."""
+        removed: list[int] = []
+        count = self.tree.remove_subtree(block, removed, forget_keys)
+        self.events.enqueue_removed_many(removed, self.window_size)
         return count
+
+    def _offload_victim(self, block: KVCacheBlock, sequence: GenerationRequest) -> KVCacheBlock:
+        """getFreeBlock's offload: `block`'s contents move to the first free secondary block,
+        which takes its primary slot and is returned in its place."""
+        policy = self.policy
+        offload_block, _ = policy.get_free_block(SECONDARY_LEVEL)
+        self.transfer.copy(_slot(block), _slot(offload_block), 0, sequence.transfer_directory)
+        block.swap_memory_pool_block_offset(offload_block)
+        if block.in_radix_tree:
+            self.events.enqueue_updated(
+                UpdatedData(block.hash, cache_level=EventDiff(PRIMARY_LEVEL, SECONDARY_LEVEL)),
+                self.window_size,
+            )
+        policy.claim_block(block)  # keeps its priority, loses its duration
+        policy.release_block(block)  # now into the secondary queue
+        return offload_block
 
     def get_free_block(
         self, sequence: GenerationRequest, priority: int, duration_s: float | None
@@ -150,28 +177,77 @@ class WindowBlockManager:
             and self.onboard_blocks
             and policy.get_num_free_blocks(SECONDARY_LEVEL) > 0
         ):
-            offload_block, _ = policy.get_free_block(SECONDARY_LEVEL)
-            self.transfer.copy(_slot(block), _slot(offload_block), 0, sequence.transfer_directory)
-            block.swap_memory_pool_block_offset(offload_block)
-            if self.events is not None and block.in_radix_tree:
-                self.events.enqueue_updated(
-                    UpdatedData(block.hash, cache_level=EventDiff(PRIMARY_LEVEL, SECONDARY_LEVEL)),
-                    self.window_size,
-                )
-            policy.claim_block(block)  # keeps its priority, loses its duration
-            policy.release_block(block)  # now into the secondary queue
-            block = offload_block
+            block = self._offload_victim(block, sequence)
         if block.prev_block is not None or block.next_blocks:
-            self._free_children(block)  # a cached block: it leaves the tree, with its subtree
+            self._drop_from_tree(block)  # a cached block: it leaves the tree, with its subtree
         policy.claim_block(block, priority, duration_s)
+        self._take_from_owner(block, sequence.request_id)
+        return block
+
+    def _take_from_owner(self, block: KVCacheBlock, request_id: int) -> None:
         # A block taken from under a live sequence (rewound or out of window) makes that
         # sequence's store-for-reuse invalid.
         owner = self.block_to_sequence.get(block.block_id)
-        rid = sequence.request_id
-        if owner is not None and owner != rid and owner in self.valid_store_for_reuse:
+        if owner is not None and owner != request_id and owner in self.valid_store_for_reuse:
             self.valid_store_for_reuse[owner] = False
-        self.block_to_sequence[block.block_id] = rid
-        return block
+        self.block_to_sequence[block.block_id] = request_id
+
+    def _get_free_blocks(
+        self, sequence: GenerationRequest, retentions: Sequence[Retention]
+    ) -> list[KVCacheBlock]:
+        """getFreeBlock once per retention, in one pass (popleft_n): the same blocks, queue
+        changes and events as the calls one by one."""
+        policy = self.policy
+        victims = policy.take_free_blocks(PRIMARY_LEVEL, len(retentions))
+        threshold = policy.secondary_offload_min_priority
+        may_offload = self.onboard_blocks and self.num_secondary_blocks > 0
+        tree = self.tree
+        by_hash = tree.by_hash
+        removed: list[int] = []
+        window = self.window_size
+        rid = sequence.request_id
+        owners = self.block_to_sequence
+        valid = self.valid_store_for_reuse
+        num_new = 0
+        out: list[KVCacheBlock] = []
+        for block, (priority, duration) in zip(victims, retentions, strict=True):
+            if not block.key.tokens:
+                num_new += 1
+            elif (
+                may_offload
+                and block.q_priority >= threshold
+                and policy.get_num_free_blocks(SECONDARY_LEVEL) > 0
+            ):
+                self.events.enqueue_removed_many(removed, window)  # events stay in order
+                removed = []
+                block = self._offload_victim(block, sequence)
+            parent = block.prev_block
+            if block.next_blocks:
+                tree.remove_subtree(block, removed)
+            elif parent is not None:  # a cached leaf (the usual victim): remove_subtree inlined
+                block_hash = block.hash
+                if block.key.tokens:
+                    removed.append(block_hash)
+                if parent.next_blocks.get(block_hash) is block:
+                    del parent.next_blocks[block_hash]
+                if by_hash.get(block_hash) is block:
+                    del by_hash[block_hash]
+                block.prev_block = None
+            if block.q_level >= 0:  # an offload target, still queued
+                policy.claim_block(block)
+            block.expiry_token += 1
+            block.priority = DEFAULT_PRIORITY if priority is None else priority
+            block.duration_s = duration
+            block_id = block.block_id
+            owner = owners.get(block_id)
+            if owner is not None and owner != rid and owner in valid:
+                valid[owner] = False
+            owners[block_id] = rid
+            out.append(block)
+        self.events.enqueue_removed_many(removed, window)
+        self.alloc_new_blocks += num_new
+        self.alloc_total_blocks += len(victims)
+        return out
 
     def onboard_block(self, sequence: GenerationRequest, offload_block: KVCacheBlock) -> None:
         if self.onboard_blocks and not offload_block.is_primary:
@@ -180,9 +256,7 @@ class WindowBlockManager:
             offload_block.swap_memory_pool_block_offset(block)
             # The seed reports every onboard; an exact stream skips blocks no longer in the tree
             # (a leaf just taken over, already reported removed).
-            if self.events is not None and (
-                offload_block.prev_block is not None or not self.report_leaf_takeover
-            ):
+            if offload_block.prev_block is not None or not self.report_leaf_takeover:
                 self.events.enqueue_updated(
                     UpdatedData(
                         offload_block.hash, cache_level=EventDiff(SECONDARY_LEVEL, PRIMARY_LEVEL)
@@ -206,7 +280,7 @@ class WindowBlockManager:
             self.policy.claim_block(offload)
             self.transfer.copy(_slot(block), _slot(offload), 0, directory)
             block.swap_memory_pool_block_offset(offload)
-            if self.events is not None and block.in_radix_tree:
+            if block.in_radix_tree:
                 self.events.enqueue_updated(
                     UpdatedData(block.hash, cache_level=EventDiff(PRIMARY_LEVEL, SECONDARY_LEVEL)),
                     self.window_size,
@@ -225,89 +299,167 @@ class WindowBlockManager:
         self.allocated_blocks_per_seq[sequence.request_id].append(block)
 
     def add_block_to_all_beams(self, block: KVCacheBlock, sequence: GenerationRequest) -> None:
-        if sequence.beam_width == 1:  # the usual case, without the per-beam indirection
-            block.ref_count += 1
-            ids = sequence.cache_block_ids[self.window_size][0]
-            block.prev_block_in_seq = self.blocks[ids[-1]] if ids else None
-            ids.append(block.block_id)
-            self.allocated_blocks_per_seq[sequence.request_id].append(block)
-            return
         for beam in range(sequence.beam_width):
             self.add_block_to_beam(block, sequence, beam)
 
+    def _add_blocks_to_all_beams(
+        self, blocks: Sequence[KVCacheBlock], sequence: GenerationRequest
+    ) -> None:
+        """addBlockToAllBeams for each block in turn."""
+        if sequence.beam_width != 1:
+            for block in blocks:
+                self.add_block_to_all_beams(block, sequence)
+            return
+        ids = sequence.cache_block_ids[self.window_size][0]
+        last = self.blocks[ids[-1]] if ids else None
+        for block in blocks:
+            block.ref_count += 1
+            block.prev_block_in_seq = last
+            last = block
+        ids.extend([block.block_id for block in blocks])
+        self.allocated_blocks_per_seq[sequence.request_id].extend(blocks)
+
     def context_keys(
         self, request: LlmRequest, input_length: int, encoder: bool = False
-    ) -> tuple[list[BlockKey], list[int]]:
+    ) -> ContextKeys:
         """The keys (and chained hashes) addSequence matches: input_length - 1 tokens, partial
         tail allowed, plus the empty key when exactly one token lies past the last full block."""
         tpb = self.tokens_per_block
-        keys = request.block_keys(tpb, input_length - 1, True, encoder)
         hashes = request.block_hashes(tpb, input_length - 1, True, encoder)
+        # Keys the tree holds already are lent to the request: matching compares by identity.
+        keys = request.block_keys(tpb, input_length - 1, True, encoder, self.tree.by_hash)
         if input_length % tpb == 1:
             empty = request.empty_key(len(keys) * tpb)
             keys.append(empty)
-            hashes.append(block_key_hash(empty, hashes[-1] if hashes else 0))
-        return keys, hashes
-
-    def _walk(
-        self,
-        keys: Sequence[BlockKey],
-        hashes: Sequence[int],
-        num_shared: int,
-        cap: int,
-    ) -> tuple[int, int, bool]:
-        """Dry run of the matching walk: (primary blocks it will take, tokens matched, onboards?).
-
-        Without onboards the walk evicts nothing before it stops matching, so the count is exact.
-        An onboard may evict a block the walk would match next; from then on every position is
-        counted as needing a block, which bounds the real cost from above.
-        """
-        need = 0
-        matched_tokens = 0
-        onboarded = False
-        root: KVCacheBlock | None = self.root
-        num_keys = len(keys)
-        for bi in range(num_shared):
-            match: KVCacheBlock | None = None
-            partial, num_matched = False, 0
-            if root is not None and bi < num_keys:
-                partial, num_matched, match = root.find_matching_block(
-                    keys[bi], hashes[bi], self.enable_partial_reuse, self.copy_on_partial_reuse
-                )
-            if match is None or matched_tokens + num_matched > cap:
-                need += num_shared - bi
-                return need, matched_tokens, onboarded
-            matched_tokens += num_matched or len(keys[bi].tokens)
-            copies = partial and (match.ref_count > 0 or bool(match.next_blocks))
-            if copies:
-                need += 1
-            elif not match.is_primary:
-                if self.onboard_blocks:
-                    need += 1
-                    onboarded = True
-            elif match.ref_count == 0 or onboarded:
-                need += 1
-            root = None if partial else match
-        return need, matched_tokens, onboarded
+            hashes.append(BlockHash(block_key_hash(empty, hashes[-1] if hashes else 0)))
+        return ContextKeys(keys, hashes)
 
     def count_blocks_needed(
         self,
         keys: Sequence[BlockKey],
-        hashes: Sequence[int],
+        hashes: Sequence[BlockHash],
         sequence: GenerationRequest,
         num_context_blocks: int,
         cap: int,
         reuse: bool,
         share_last: bool,
-    ) -> tuple[int, int, bool]:
-        """Primary blocks add_sequence will take from this window's free pool (an upper bound
-        that is exact unless blocks must be onboarded), tokens matched, and whether it onboards."""
+    ) -> BlockCount:
+        """Exactly the free primary blocks add_sequence will take from this window, and the
+        tokens it will reuse when the sequence may reuse at most `cap` tokens."""
         beam = sequence.beam_width
         if not reuse:
-            return num_context_blocks - 1 + (1 if share_last else beam), 0, False
+            return BlockCount(num_context_blocks - 1 + (1 if share_last else beam), 0)
         num_shared = num_context_blocks - 1 if beam > 1 else num_context_blocks
-        need, matched, onboarded = self._walk(keys, hashes, num_shared, cap)
-        return need + (num_context_blocks - num_shared) * beam, matched, onboarded
+        tail = (num_context_blocks - num_shared) * beam
+        plan = self.tree.match(keys, hashes, num_shared, cap)
+        if self.onboard_blocks and not all(block.is_primary for block in plan.blocks):
+            cost, reached, matched = self._count_with_onboards(plan, keys, hashes, num_shared, cap)
+            return BlockCount(cost + num_shared - reached + tail, matched)
+        # Nothing is evicted before the walk stops matching: a full match that is not a free
+        # primary block (one held, or without onboarding one in the secondary pool) is only
+        # claimed; every other position takes one free primary block.
+        claimed = sum(1 for block in plan.blocks if block.q_level != PRIMARY_LEVEL)
+        return BlockCount(num_shared - claimed + tail, plan.num_matched_tokens)
+
+    def _count_with_onboards(
+        self,
+        plan: TreeMatch,
+        keys: Sequence[BlockKey],
+        hashes: Sequence[BlockHash],
+        stop: int,
+        cap: int,
+    ) -> tuple[int, int, int]:
+        """The dry run of a walk that onboards: (free blocks its full matches take, how many of
+        them it reaches, tokens matched with the partial match after them).
+
+        Each onboard's getFreeBlock takes the next free primary block (offloading it when it
+        may, which drops the first free secondary block from the tree instead); a planned
+        block dropped that way ends the walk, as a miss would. Nothing is changed: the queues
+        are read in order and the dry run's own moves are kept aside.
+        """
+        policy = self.policy
+        threshold = policy.secondary_offload_min_priority
+        primary_queue = policy.iter_free(PRIMARY_LEVEL)
+        secondary_queue = policy.iter_free(SECONDARY_LEVEL)
+        taken: set[int] = set()  # out of their free queue: claimed, victims, offload targets
+        gone: set[int] = set()  # dropped from the tree (with their subtrees)
+        moved: dict[int, bool] = {}  # block id -> is_primary, where the dry run moved it
+        queued: list[tuple[int, int, KVCacheBlock]] = []  # (priority, order) of secondary releases
+        num_secondary_free = policy.get_num_free_blocks(SECONDARY_LEVEL)
+        head: KVCacheBlock | None = next(secondary_queue, None)
+        cost = 0
+        reached = 0
+
+        def release_to_secondary(block: KVCacheBlock, priority: int) -> None:
+            nonlocal num_secondary_free
+            moved[block.block_id] = False
+            queued.append((priority, len(taken) + len(queued) + len(gone), block))
+            num_secondary_free += 1
+
+        def first_secondary() -> KVCacheBlock:
+            nonlocal head, num_secondary_free
+            while head is not None and head.block_id in taken:
+                head = next(secondary_queue, None)
+            best = min(queued, key=lambda entry: entry[:2]) if queued else None
+            num_secondary_free -= 1
+            if head is not None and (best is None or head.q_priority <= best[0]):
+                block = head
+                taken.add(block.block_id)
+                head = next(secondary_queue, None)
+                return block
+            assert best is not None
+            queued.remove(best)
+            return best[2]
+
+        for block in plan.blocks:
+            block_id = block.block_id
+            if block_id in gone:
+                break
+            reached += 1
+            if moved.get(block_id, block.is_primary):
+                if block.q_level == PRIMARY_LEVEL and block_id not in taken:
+                    cost += 1
+                taken.add(block_id)
+                continue
+            # A secondary match: claimed out of the secondary queue, then onboarded.
+            entry = next((e for e in queued if e[2] is block), None)
+            if entry is not None:
+                queued.remove(entry)
+                num_secondary_free -= 1
+            elif block.q_level == SECONDARY_LEVEL and block_id not in taken:
+                num_secondary_free -= 1
+            taken.add(block_id)
+            cost += 1
+            victim = next((b for b in primary_queue if b.block_id not in taken), None)
+            if victim is None:  # the allocation runs out of blocks here
+                return cost + len(plan.blocks) - reached, reached, plan.num_tokens
+            taken.add(victim.block_id)
+            if victim.key.tokens and victim.q_priority >= threshold and num_secondary_free > 0:
+                fresh = first_secondary()
+                gone.add(fresh.block_id)
+                release_to_secondary(victim, victim.priority)  # it stays in the tree
+            else:
+                fresh = victim
+                gone.add(fresh.block_id)
+            release_to_secondary(fresh, DEFAULT_PRIORITY)  # it took the onboarded block's slot
+            moved[block_id] = True
+        matched = reached * self.tokens_per_block
+        if reached == len(plan.blocks) and not gone:
+            return cost, reached, plan.num_matched_tokens
+        position = plan.start + reached
+        if position < stop:
+            parent = plan.blocks[reached - 1] if reached else self.tree.root
+            found = self.tree.find_matching_block(
+                parent,
+                keys[position],
+                hashes[position],
+                self.enable_partial_reuse,
+                self.copy_on_partial_reuse,
+                gone,
+            )
+            if found.block is not None and matched + found.num_tokens <= cap:
+                matched += found.num_tokens
+        return cost, reached, matched
 
     def add_sequence(
         self,
@@ -315,7 +467,7 @@ class WindowBlockManager:
         input_length: int,
         num_context_blocks: int,
         keys: list[BlockKey],
-        hashes: list[int],
+        hashes: list[BlockHash],
     ) -> int:
         """addSequence with reuse: match the tree, allocate the rest; returns tokens reused.
 
@@ -332,96 +484,158 @@ class WindowBlockManager:
         self.total_input_tokens += input_length
         return prepopulated
 
+    def _claim_matches(
+        self,
+        plan: TreeMatch,
+        sequence: GenerationRequest,
+        per_block: list[Retention],
+        keys: list[BlockKey],
+    ) -> tuple[int, bool]:
+        """Claim the full matches of `plan` in order and give them to the sequence; returns
+        how many it took, and whether it onboarded. Stops at a planned block an onboard has
+        dropped from the tree since the plan was made.
+
+        Each matched position's key is replaced in `keys` by the (equal) key of its block, so
+        that later walks with these keys compare by identity."""
+        events = self.events
+        window = self.window_size
+        policy = self.policy
+        onboard = self.onboard_blocks
+        position = plan.start
+        onboarded = False
+        taken: list[KVCacheBlock] = []
+        for block in plan.blocks:
+            if onboarded and block.prev_block is None:
+                break
+            priority, duration = per_block[position]
+            if priority is not None and block.priority != priority:
+                events.enqueue_updated(
+                    UpdatedData(block.hash, priority=EventDiff(block.priority, priority)),
+                    window,
+                )
+            if block.q_level >= 0:
+                policy.claim_block(block, priority, duration)
+            else:  # claim_block without the call: held blocks are in no queue
+                block.expiry_token += 1
+                if priority is not None:
+                    block.priority = priority
+                block.duration_s = duration
+            if onboard and not block.is_primary:
+                self._add_blocks_to_all_beams(taken, sequence)
+                taken = []
+                self.onboard_block(sequence, block)
+                onboarded = True
+            taken.append(block)
+            keys[position] = block.key
+            position += 1
+        self._add_blocks_to_all_beams(taken, sequence)
+        num_taken = position - plan.start
+        self.reused_blocks += num_taken
+        return num_taken, onboarded
+
     def _load_or_allocate_blocks(
         self,
         keys: list[BlockKey],
-        hashes: list[int],
+        hashes: list[BlockHash],
         num_context_blocks: int,
         sequence: GenerationRequest,
         per_block: list[Retention],
     ) -> int:
         tpb = self.tokens_per_block
-        policy = self.policy
-        events = self.events
-        num_matched_tokens = 0
-        search_root: KVCacheBlock | None = self.root
+        tree = self.tree
         beam_width = sequence.beam_width
         num_shared = num_context_blocks - 1 if beam_width > 1 else num_context_blocks
         num_keys = len(keys)
-        ki = 0
-        # Beam width 1 appends inline (add_block_to_all_beams, without the calls).
-        beam0_ids = sequence.cache_block_ids[self.window_size][0]
-        allocated = self.allocated_blocks_per_seq[sequence.request_id]
-        last_block: KVCacheBlock | None = self.blocks[beam0_ids[-1]] if beam0_ids else None
-        for bi in range(num_shared):
-            priority, duration = per_block[bi]
-            match: KVCacheBlock | None = None
-            partial, num_matched = False, 0
-            if search_root is not None and search_root.next_blocks and ki < num_keys:
-                key = keys[ki]
-                child = search_root.next_blocks.get(hashes[ki])
-                if child is not None and child.is_full and (child.key is key or child.key == key):
-                    match, num_matched = child, len(key.tokens)  # the common case, inlined
-                else:
-                    partial, num_matched, match = search_root.find_matching_block(
-                        key, hashes[ki], self.enable_partial_reuse, self.copy_on_partial_reuse
-                    )
-            if match is not None and (
-                num_matched_tokens + num_matched <= sequence.current_prepopulated_prompt_len
-            ):
-                num_matched_tokens += num_matched or len(keys[ki].tokens)
-                if priority is not None and match.priority != priority and events is not None:
-                    events.enqueue_updated(
-                        UpdatedData(match.hash, priority=EventDiff(match.priority, priority)),
-                        self.window_size,
-                    )
-                if partial:
-                    if match.ref_count > 0 or match.next_blocks:
-                        # Someone uses it or it has children: copy the reusable tokens.
-                        new_block = self.get_free_block(sequence, match.priority, match.duration_s)
-                        self.transfer.copy(_slot(match), _slot(new_block), num_matched)
-                        match = new_block
-                        match.set_block_key(keys[ki], len(keys[ki].tokens) == tpb)
-                        match.hash = hashes[ki]
-                    else:
-                        # An unreferenced leaf: take it over privately. The seed reports
-                        # nothing; consumers that must stay exact ask for a Removed event.
-                        if self.report_leaf_takeover and events is not None:
-                            events.enqueue_removed(match.hash, self.window_size)
-                        match.free_leaf_block()
-                        policy.claim_block(match, priority, duration)
-                    search_root = None
-                else:
-                    policy.claim_block(match, priority, duration)
-                    search_root = match
-                if not match.is_primary:
-                    self.onboard_block(sequence, match)
-                block = match
-                self.reused_blocks += 1
-            else:
-                block = self.get_free_block(
-                    sequence, DEFAULT_PRIORITY if priority is None else priority, duration
+        cap = sequence.current_prepopulated_prompt_len
+        plan = tree.match(keys, hashes, num_shared, cap)
+        num_matched_tokens = 0
+        while True:
+            num_taken, onboarded = self._claim_matches(plan, sequence, per_block, keys)
+            num_matched_tokens += num_taken * tpb
+            if not onboarded:
+                break
+            # An onboard may have dropped blocks from the tree: walk on from here.
+            ids = sequence.cache_block_ids[self.window_size][0]
+            plan = tree.match(
+                keys,
+                hashes,
+                num_shared,
+                cap - num_matched_tokens,
+                start=plan.start + num_taken,
+                parent=self.blocks[ids[-1]] if ids else tree.root,
+            )
+        position = plan.end
+        partial = plan.partial
+        if partial is not None:
+            num_matched = plan.num_partial_tokens
+            num_matched_tokens += num_matched
+            priority, duration = per_block[position]
+            if priority is not None and partial.priority != priority:
+                self.events.enqueue_updated(
+                    UpdatedData(partial.hash, priority=EventDiff(partial.priority, priority)),
+                    self.window_size,
                 )
-                search_root = None
-                match = None
-                self.missed_blocks += 1
-            if beam_width == 1:  # add_block_to_all_beams, inlined for the usual case
-                block.ref_count += 1
-                block.prev_block_in_seq = last_block
-                beam0_ids.append(block.block_id)
-                allocated.append(block)
-                last_block = block
+            key = keys[position]
+            if partial.ref_count > 0 or partial.next_blocks:
+                # Someone uses it or it has children: copy the reusable tokens.
+                block = self.get_free_block(sequence, partial.priority, partial.duration_s)
+                self.transfer.copy(_slot(partial), _slot(block), num_matched)
+                block.set_block_key(key, len(key.tokens) == tpb)
+                block.hash = hashes[position]
             else:
-                self.add_block_to_all_beams(block, sequence)
-            if match is None:  # a fresh block takes the key of its position
-                if ki < num_keys:
-                    block.set_block_key(keys[ki], len(keys[ki].tokens) == tpb)
-                    block.hash = hashes[ki]
-                else:
-                    prev = block.prev_block_in_seq
-                    block.hash = block_key_hash(block.key, prev.hash if prev else 0)
-            ki += 1
+                # An unreferenced leaf: take it over privately. The seed reports nothing;
+                # consumers that must stay exact ask for a Removed event.
+                if self.report_leaf_takeover:
+                    self.events.enqueue_removed(partial.hash, self.window_size)
+                tree.detach_leaf(partial)
+                self.policy.claim_block(partial, priority, duration)
+                block = partial
+            if not block.is_primary:
+                self.onboard_block(sequence, block)
+            self._add_blocks_to_all_beams([block], sequence)
+            self.reused_blocks += 1
+            position += 1
+        # No match from here on: a fresh block per position, keyed by its position.
+        if position < num_shared:
+            fresh = self._get_free_blocks(
+                sequence,
+                [
+                    (DEFAULT_PRIORITY if priority is None else priority, duration)
+                    for priority, duration in per_block[position:num_shared]
+                ],
+            )
+            set_keys = max(0, min(num_shared, num_keys) - position)
+            if beam_width == 1:  # addBlockToAllBeams and the keys in one pass
+                ids = sequence.cache_block_ids[self.window_size][0]
+                last = self.blocks[ids[-1]] if ids else None
+                for block, key, key_hash in zip(
+                    fresh[:set_keys], keys[position:], hashes[position:], strict=False
+                ):
+                    block.ref_count += 1
+                    block.prev_block_in_seq = last
+                    block.key = key
+                    block.is_full = len(key.tokens) == tpb
+                    block.hash = key_hash
+                    last = block
+                for block in fresh[set_keys:]:
+                    block.ref_count += 1
+                    block.prev_block_in_seq = last
+                    last = block
+                ids.extend([block.block_id for block in fresh])
+                self.allocated_blocks_per_seq[sequence.request_id].extend(fresh)
+            else:
+                self._add_blocks_to_all_beams(fresh, sequence)
+                for block, key, key_hash in zip(
+                    fresh[:set_keys], keys[position:], hashes[position:], strict=False
+                ):
+                    block.set_block_key(key, len(key.tokens) == tpb)
+                    block.hash = key_hash
+            for block in fresh[set_keys:]:  # past the keys: the hash of the key it holds
+                prev = block.prev_block_in_seq
+                block.hash = BlockHash(block_key_hash(block.key, prev.hash if prev else 0))
+            self.missed_blocks += len(fresh)
         # The last context block of a beam search is written by every beam: one per beam.
+        ki = num_shared
         for bi in range(num_shared, num_context_blocks):
             priority, duration = per_block[bi]
             for beam in range(beam_width):
@@ -434,7 +648,7 @@ class WindowBlockManager:
                     block.set_block_key(keys[ki], len(keys[ki].tokens) == tpb)
                     ki += 1
                 prev = block.prev_block_in_seq
-                block.hash = block_key_hash(block.key, prev.hash if prev else 0)
+                block.hash = BlockHash(block_key_hash(block.key, prev.hash if prev else 0))
             self.missed_blocks += 1
             if ki < num_keys:
                 ki += 1
@@ -524,55 +738,56 @@ class WindowBlockManager:
     def store_blocks(
         self,
         keys: Sequence[BlockKey],
-        hashes: Sequence[int],
+        hashes: Sequence[BlockHash],
         blocks: Sequence[KVCacheBlock],
         pin_blocks: bool = False,
         cache_salt: str | None = None,
         root: KVCacheBlock | None = None,
-    ) -> tuple[int, list[int]]:
+    ) -> StoredBlocks:
         """storeBlocks: insert the blocks not yet in the tree; one Stored event for them all.
 
         The walk starts at the tree root, or at `root` when the caller knows that the blocks
         before `keys[0]` are stored and end at `root`.
         """
-        search_root = self.root if root is None else root
-        need_match = True
-        stored: list[KVCacheBlock] = []
+        tree = self.tree
+        count = min(len(keys), len(blocks))
+        found = tree.match(keys, hashes, count, exact=True, parent=root).blocks
         pinned: list[int] = []
+        if pin_blocks:
+            for block in found:
+                self._pin(block)
+                pinned.append(block.block_id)
+        parent = found[-1] if found else (tree.root if root is None else root)
         tpb = self.tokens_per_block
-        for i in range(min(len(keys), len(blocks))):
-            key = keys[i]
-            key_hash = hashes[i]
-            if need_match:
-                child = search_root.next_blocks.get(key_hash)
-                if child is not None and key.tokens and (child.key is key or child.key == key):
-                    search_root = child
-                    if pin_blocks:
-                        self._pin(child)
-                        pinned.append(child.block_id)
-                    continue
-                need_match = False
-            block = blocks[i]
+        stored = list(blocks[len(found) : count])
+        removed: list[int] = []
+        by_hash = tree.by_hash
+        start = len(found)
+        for block, key, block_hash in zip(stored, keys[start:], hashes[start:], strict=False):
             if block.prev_block is not None or block.next_blocks:
                 # Stored before under another key (a partial block that has grown since, or
                 # tokens rewritten after a rewind): its old entry, and anything below it, no
                 # longer describe its contents. The seed keeps the stale entry and later fails
                 # to evict the parent; we drop it and report it removed.
-                self._free_children(block)
-            block.set_block_key(key, len(key.tokens) == tpb)
-            block.prev_block = search_root
-            block.prev_block_in_seq = search_root
-            block.hash = key_hash
+                tree.remove_subtree(block, removed)
+            block.key = key
+            block.is_full = len(key.tokens) == tpb
+            # ReuseTree.insert, inlined
+            block.prev_block = parent
+            block.prev_block_in_seq = parent
+            block.hash = block_hash
+            if parent.next_blocks.setdefault(block_hash, block) is block:
+                by_hash.setdefault(block_hash, block)
             block.cache_salt = cache_salt
-            search_root.next_blocks.setdefault(key_hash, block)
-            stored.append(block)
-            search_root = block
-            if pin_blocks:
+            parent = block
+        if pin_blocks:
+            for block in stored:
                 self._pin(block)
                 pinned.append(block.block_id)
-        if self.events is not None:
+        self.events.enqueue_removed_many(removed, self.window_size)
+        if stored:
             self.events.enqueue_stored(stored, self.window_size)
-        return len(stored), pinned
+        return StoredBlocks(len(stored), pinned)
 
     def _pin(self, block: KVCacheBlock) -> None:
         """Add a reference; a free (cached) block leaves its free queue first, so it is not
@@ -621,7 +836,7 @@ class WindowBlockManager:
         keys = request.block_keys(tpb, usable, True)
         hashes = request.block_hashes(tpb, usable, True)
         blocks = self._beam0_blocks(sequence)
-        return self.store_blocks(keys, hashes, blocks, pin_blocks, request.cache_salt)[1]
+        return self.store_blocks(keys, hashes, blocks, pin_blocks, request.cache_salt).pinned_ids
 
     def _beam0_blocks(self, sequence: GenerationRequest) -> list[KVCacheBlock]:
         return [self.blocks[i] for i in sequence.cache_block_ids[self.window_size][0]]
@@ -641,15 +856,18 @@ class WindowBlockManager:
             usable = request.num_tokens - 1
             keys = request.block_keys(tpb, usable, True)
             hashes = request.block_hashes(tpb, usable, True)
-            pinned = self.store_blocks(keys, hashes, blocks, pin_blocks, request.cache_salt)[1]
-        release = self.policy.release_block
+            pinned = self.store_blocks(
+                keys, hashes, blocks, pin_blocks, request.cache_salt
+            ).pinned_ids
         front = sequence.num_front_blocks_removed[self.window_size]
+        freed: list[KVCacheBlock] = []
         for i in range(len(blocks) - 1, front - 1, -1):
             block = blocks[i]
             if block.ref_count > 0:  # an out-of-window block may hold none
                 block.ref_count -= 1
             if block.ref_count == 0:
-                release(block)
+                freed.append(block)
+        self.policy.release_blocks(freed)
         sequence.cache_block_ids[self.window_size] = [[] for _ in range(sequence.beam_width)]
         return pinned
 
@@ -695,7 +913,7 @@ class WindowBlockManager:
             block.prev_block_in_seq = self.blocks[ids[-1]] if ids else None
             block.set_block_key(key, is_full)
             prev = block.prev_block_in_seq
-            block.hash = block_key_hash(key, prev.hash if prev else 0)
+            block.hash = BlockHash(block_key_hash(key, prev.hash if prev else 0))
             ids[block_index] = block.block_id
             allocated[block_index * beam_width + beam] = block
 
@@ -742,6 +960,8 @@ class WindowBlockManager:
     # -- lookups -----------------------------------------------------------------------------------
 
     def find_new_context_block(self, request: LlmRequest, tokens: Sequence[int]) -> BlockKey | None:
+        """The key of the first block of `tokens` the tree lacks (with the tokens before it),
+        or None when the tree holds all their full blocks."""
         tpb = self.tokens_per_block
         extra = None
         if request.extra_ids is not None:  # the tokens carry the request's extra ids
@@ -756,19 +976,17 @@ class WindowBlockManager:
         )
         keys = probe.block_keys(tpb, len(tokens), False)
         hashes = probe.block_hashes(tpb, len(tokens), False)
-        result_tokens: list[int] = []
-        root: KVCacheBlock | None = self.root
-        for key, key_hash in zip(keys, hashes, strict=True):
-            result_tokens.extend(key.tokens)
-            match = root.find_matching_block(key, key_hash, False, False)[2] if root else None
-            if match is None:
-                return BlockKey(tokens=result_tokens, lora_task_id=request.lora_task_id)
-            root = match
-        return None
+        found = self.tree.match(keys, hashes, exact=True).blocks
+        if len(found) == len(keys):
+            return None
+        result_tokens = [t for key in keys[: len(found) + 1] for t in key.tokens]
+        return BlockKey(tokens=result_tokens, lora_task_id=request.lora_task_id)
 
     def find_blocks_in_reuse_tree_by_block_key(self, key: BlockKey) -> KVCacheBlock | None:
+        """The block at the end of `key`'s tokens, cut into blocks (partial matches allowed)."""
         tpb = self.tokens_per_block
-        root: KVCacheBlock | None = self.root
+        tree = self.tree
+        node = tree.root
         parent_hash = 0
         tokens = key.tokens
         extra = key.token_extra_ids()
@@ -781,47 +999,27 @@ class WindowBlockManager:
                 key.extra_keys,
                 key.cache_salt_id,
             )
-            part_hash = block_key_hash(part, parent_hash)
-            match = root.find_matching_block(part, part_hash, True, True)[2] if root else None
+            part_hash = BlockHash(block_key_hash(part, parent_hash))
+            match = tree.find_matching_block(node, part, part_hash, True, True).block
             if match is None:
                 return None
-            root, parent_hash = match, match.hash
-        return root
+            node, parent_hash = match, match.hash
+        return node  # the root itself for an empty key, as in the seed
 
     def tree_blocks(self) -> list[KVCacheBlock]:
         """Every block in the reuse tree, parents before children."""
-        out: list[KVCacheBlock] = []
-        stack = list(self.root.next_blocks.values())
-        while stack:
-            block = stack.pop()
-            out.append(block)
-            stack.extend(block.next_blocks.values())
-        return out
+        return self.tree.blocks()
 
-    def blocks_by_hash(self) -> dict[int, KVCacheBlock]:
-        """The reuse tree's blocks by chained hash (admin lookups; O(tree))."""
-        return {block.hash: block for block in self.tree_blocks()}
+    def find_block_by_hash(self, block_hash: int) -> KVCacheBlock | None:
+        """The block of the reuse tree with this chained hash, or None."""
+        return self.tree.find_by_hash(block_hash)
 
     def clear_reusable_blocks(self) -> int:
         """Drop from the tree every subtree that no sequence or pin holds; returns the blocks
         dropped (each reported Removed). Held blocks and their ancestors stay."""
-        blocks = self.tree_blocks()  # parents before children
-        held: set[int] = set()
-        for block in reversed(blocks):
-            if block.ref_count > 0 or any(c.block_id in held for c in block.next_blocks.values()):
-                held.add(block.block_id)
-        root = self.root
-        roots = [
-            block
-            for block in blocks
-            if block.block_id not in held
-            and (
-                (parent := block.prev_block) is root
-                or (parent is not None and parent.block_id in held)
-            )
-        ]
+        roots = self.tree.unheld_subtrees(lambda block: block.ref_count > 0)
         # An empty key: a later eviction has nothing to offload.
-        return sum(self._free_children(block, forget_keys=True) for block in roots)
+        return sum(self._drop_from_tree(block, forget_keys=True) for block in roots)
 
     def offload_reusable_blocks(self, max_blocks: int | None = None) -> int:
         """Move cached primary blocks that nobody holds to empty secondary slots, in eviction
@@ -831,14 +1029,10 @@ class WindowBlockManager:
         if not self.onboard_blocks or self.num_secondary_blocks == 0:
             return 0
         policy = self.policy
-        sources = [
-            block
-            for block in map(self.blocks.__getitem__, policy.free_order(PRIMARY_LEVEL))
-            if block.in_radix_tree
-        ]
+        sources = [block for block in policy.iter_free(PRIMARY_LEVEL) if block.in_radix_tree]
         targets = [
             block
-            for block in map(self.blocks.__getitem__, policy.free_order(SECONDARY_LEVEL))
+            for block in policy.iter_free(SECONDARY_LEVEL)
             if not block.key.tokens and block.prev_block is None and not block.next_blocks
         ]
         count = min(len(sources), len(targets))
@@ -854,21 +1048,19 @@ class WindowBlockManager:
     def _chains_by_hash(self, block_hashes: Sequence[int]) -> list[KVCacheBlock]:
         """The named blocks with their ancestors, each once, parents before children (all
         must be in the tree)."""
-        by_hash = self.blocks_by_hash()
-        missing = [h for h in block_hashes if h not in by_hash]
-        if missing:
-            raise UnknownBlockError(
-                f"no block with hash {missing[0]} in the reuse tree (window {self.window_size})"
-            )
-        blocks: dict[int, KVCacheBlock] = {}  # a block shared by several chains counts once
+        tree = self.tree
+        named: list[KVCacheBlock] = []
         for block_hash in block_hashes:
-            chain: list[KVCacheBlock] = []
-            node: KVCacheBlock | None = by_hash[block_hash]
-            while node is not None and node is not self.root:
-                chain.append(node)
-                node = node.prev_block
-            for block in reversed(chain):
-                blocks.setdefault(block.block_id, block)
+            block = tree.find_by_hash(block_hash)
+            if block is None:
+                raise UnknownBlockError(
+                    f"no block with hash {block_hash} in the reuse tree (window {self.window_size})"
+                )
+            named.append(block)
+        blocks: dict[int, KVCacheBlock] = {}  # a block shared by several chains counts once
+        for block in named:
+            for node in tree.chain(block):
+                blocks.setdefault(node.block_id, node)
         return list(blocks.values())
 
     def pin_blocks_by_hash(self, block_hashes: Sequence[int]) -> list[int]:
@@ -903,12 +1095,12 @@ class WindowBlockManager:
                         f"unpinning block {block.hash} would leave its pinned child {child.hash} "
                         "with an unpinned ancestor; unpin with the hashes the pin used"
                     )
-        ids = [block.block_id for block in blocks]
+        ids: list[int] = [block.block_id for block in blocks]
         self.unpin_blocks_by_id(ids)
         return ids
 
     def reset_reuse_state(self) -> None:
         """Forget the reuse tree. Each forgotten block is reported Removed, so that consumers of
         the event stream stay exact (the seed swaps the root silently)."""
-        for child in list(self.root.next_blocks.values()):
-            self._free_children(child)
+        for child in list(self.tree.root.next_blocks.values()):
+            self._drop_from_tree(child)

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 import redis
-from hypothesis import settings
+from hypothesis import HealthCheck, settings
 
 from app.redis_server import EmbeddedRedis
 
@@ -19,7 +19,23 @@ from app.redis_server import EmbeddedRedis
 # reproduces locally with HYPOTHESIS_PROFILE=ci.
 settings.register_profile("dev", deadline=None)
 settings.register_profile("ci", deadline=None, derandomize=True, print_blob=True)
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
+# `make test-long` (KVMESH_HYPOTHESIS=long): random seeds, many more and longer runs of the state
+# machines, for a soak before and after changes to the hot paths.
+settings.register_profile(
+    "long",
+    deadline=None,
+    derandomize=False,
+    print_blob=True,
+    max_examples=int(os.environ.get("KVMESH_HYPOTHESIS_EXAMPLES", "1000")),
+    stateful_step_count=80,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+if os.environ.get("KVMESH_HYPOTHESIS") == "long":
+    settings.load_profile("long")
+else:
+    settings.load_profile(
+        os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev")
+    )
 
 
 @pytest.fixture(scope="session")

@@ -387,3 +387,143 @@ def test_unknown_request_id_is_refused_by_name_without_trace(
         assert isinstance(excinfo.value, KeyError)
         assert observe(mgr, live) == before
         assert drain(mgr) == []
+
+
+# -- the dry run refuses exactly what the seed cannot allocate --------------------------------
+
+
+def _two_windows(primary: int, secondary: int, partial: bool) -> KVCacheManager:
+    return KVCacheManager(
+        num_layers=2,
+        num_kv_heads=2,
+        head_dim=8,
+        tokens_per_block=TPB,
+        blocks_per_window={16: (primary, secondary), 32: (primary + 1, secondary)},
+        max_attention_window=[16, 32],
+        max_sequence_length=32,
+        event_buffer_max_size=100_000,
+        allocate_pools=False,
+        enable_partial_reuse=partial,
+    )
+
+
+def _history_with_pins(
+    mgr: KVCacheManager, steps: list[tuple[list[int], int, int, int | None]]
+) -> dict[int, LlmRequest]:
+    """Like `run_history`, but a step may also end pinned (end 0: live, 1: finished, 2:
+    pinned), and may then unpin one pinned block (by index into the pinned ids). That leaves
+    held blocks below free ones, which later steps evict or offload."""
+    live: dict[int, LlmRequest] = {}
+    for rid, (tokens, priority, end, unpin) in enumerate(steps):
+        r = req(rid, tokens, retention=RetentionConfig([TokenRangeRetention(0, None, priority)]))
+        try:
+            mgr.add_sequence(r)
+        except OutOfBlocksError:
+            continue
+        if end == 0:
+            live[rid] = r
+        else:
+            mgr.remove_sequence(rid, r, pin_blocks=end == 2)
+        # unpin_blocks_by_id unpins in the first window (the ids returned are the last window's)
+        pins = next(iter(mgr.windows.values())).pins
+        pinned = sorted(pins)
+        if unpin is not None and pinned:
+            mgr.unpin_blocks_by_id([pinned[unpin % len(pinned)]])
+    drain(mgr)
+    return live
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    primary=st.integers(3, 8),
+    secondary=st.integers(1, 4),
+    steps=st.lists(
+        st.tuples(
+            prompts(),
+            st.sampled_from([0, 35, 35, 80]),
+            st.sampled_from([0, 1, 2, 2]),
+            st.none() | st.integers(0, 50),
+        ),
+        min_size=2,
+        max_size=14,
+    ),
+    two_windows=st.booleans(),
+    partial=st.booleans(),
+    data=st.data(),
+)
+def test_the_dry_run_refuses_exactly_what_the_allocation_cannot_do(
+    primary: int,
+    secondary: int,
+    steps: list[tuple[list[int], int, int, int | None]],
+    two_windows: bool,
+    partial: bool,
+    data: st.DataObject,
+) -> None:
+    """The same history twice; the second manager allocates without its dry run (as the seed
+    does, throwing half way). The dry run must refuse exactly when that allocation fails, and
+    an admitted request must end the same in both."""
+
+    def build() -> tuple[KVCacheManager, dict[int, LlmRequest]]:
+        if two_windows:
+            mgr = _two_windows(primary, secondary, partial)
+        else:
+            mgr = make_manager(
+                primary,
+                secondary,
+                tokens_per_block=TPB,
+                events=100_000,
+                enable_partial_reuse=partial,
+            )
+        return mgr, _history_with_pins(mgr, steps)
+
+    # A prefix of a cached chain, preferably one through an offloaded block (onboards), else
+    # of a prompt of the history.
+    mgr, _ = build()
+    window = next(iter(mgr.windows.values()))
+    chains = [window.tree.chain(block) for block in window.tree_blocks()]
+    onboarding = [chain for chain in chains if not all(b.is_primary for b in chain)]
+    # best: an onboard next to a held block (the walk must not count the held one)
+    mixed = [chain for chain in onboarding if any(b.ref_count for b in chain)]
+    sources = [[t for b in chain for t in b.key.tokens] for chain in mixed or onboarding or chains]
+    source = data.draw(st.sampled_from([*sources, *(step[0] for step in steps)]))
+    prefix = source[: data.draw(st.integers(0, len(source)))]
+    if data.draw(st.booleans()):
+        prefix = source
+    retention = RetentionConfig([TokenRangeRetention(0, None, data.draw(st.integers(0, 100)))])
+
+    def add(tail: int, dry_run: bool) -> tuple[KVCacheManager, dict[int, LlmRequest], LlmRequest]:
+        """Add the prefix and `tail` fresh tokens after the history; raises OutOfBlocksError."""
+        mgr, live = build()
+        if not dry_run:
+            mgr._check_room = lambda *args, **kwargs: None  # type: ignore[method-assign]
+        request = req(len(steps), prefix + [FRESH + i for i in range(tail)], retention=retention)
+        mgr.add_sequence(request)
+        live[len(steps)] = request
+        return mgr, live, request
+
+    def fits(tail: int) -> bool:
+        try:
+            add(tail, dry_run=False)
+        except OutOfBlocksError:
+            return False
+        return True
+
+    # The shortest tail the allocation (without dry run) cannot take, and the one before it:
+    # the dry run must admit the one and refuse the other.
+    limit = (primary + 3) * TPB
+    first_failing = next((tail for tail in range(1, limit) if not fits(tail)), limit)
+    for tail in (first_failing - 1, first_failing):
+        if not 1 <= tail < limit:
+            continue
+        if tail == first_failing:  # refused by the dry run, without a trace
+            mgr, live = build()
+            request = req(
+                len(steps), prefix + [FRESH + i for i in range(tail)], retention=retention
+            )
+            assert_refused_without_trace(mgr, live, request)
+            continue
+        mgr, live, request = add(tail, dry_run=True)
+        seed, _, twin = add(tail, dry_run=False)
+        assert observe(mgr, live) == observe(seed, live)
+        assert request_state(request) == request_state(twin)
+        assert drain(mgr) == drain(seed)
