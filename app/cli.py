@@ -170,13 +170,27 @@ def build_parser() -> argparse.ArgumentParser:
             "--endpoint", default=defaults["endpoint"], help="its PUB socket, e.g. tcp://gpu3:5557"
         )
         zmq_ingest.add_argument(
-            "--replay-endpoint", default=None, help="its replay ROUTER socket, e.g. tcp://gpu3:5558"
+            "--replay-endpoint", default=None, help="its replay ROUTER socket, e.g. tcp://gpu3:5567"
         )
         zmq_ingest.add_argument("--topic", default=defaults["topic"], help="the topic it publishes")
         zmq_ingest.add_argument("--worker-id", required=True, help="worker id to publish as")
         zmq_ingest.add_argument("--url", default=None, help="the server, e.g. http://gpu3:8000")
         zmq_ingest.add_argument(
             "--block-size", type=int, default=defaults["block_size"], help="its tokens per block"
+        )
+        zmq_ingest.add_argument(
+            "--data-parallel-size",
+            type=int,
+            default=1,
+            help="its data-parallel ranks: rank r publishes on the endpoints' ports + r and "
+            "becomes worker <worker-id>-dp<r> (default 1: one worker, <worker-id>)",
+        )
+        zmq_ingest.add_argument(
+            "--window-size",
+            type=int,
+            default=0,
+            help="its attention window in tokens, put on the events (e.g. vLLM's "
+            "--max-model-len; default 0: not given; a sliding-window group sends its own)",
         )
         zmq_ingest.add_argument(
             "--max-batches", type=int, default=None, help="stop after this many messages"
@@ -323,6 +337,14 @@ def _run_ingest(
         validate_worker_id(args.worker_id)
         if getattr(args, "block_size", 1) <= 0:
             raise ValueError(f"--block-size must be positive, got {args.block_size}")
+        if getattr(args, "data_parallel_size", 1) <= 0:
+            raise ValueError(
+                f"--data-parallel-size must be positive, got {args.data_parallel_size}"
+            )
+        if getattr(args, "data_parallel_size", 1) > 1:  # the ranks' ids: <worker-id>-dp<rank>
+            validate_worker_id(f"{args.worker_id}-dp{args.data_parallel_size - 1}")
+        if getattr(args, "window_size", 0) < 0:
+            raise ValueError(f"--window-size must be >= 0, got {args.window_size}")
     except ValueError as exc:
         print(f"kvmesh ingest: {exc}", file=sys.stderr)
         return 2
@@ -351,9 +373,10 @@ def _cmd_ingest_trtllm(args: argparse.Namespace) -> int:
 
 
 def _zmq_ingest_defaults(source: str) -> dict[str, Any]:
-    # vLLM: --kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq",
-    # "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": ""}'; SGLang's
-    # --kv-events-config speaks the same protocol, and its pages default to 1 token.
+    # Both publishers default to endpoint tcp://*:5557 and topic "" (vLLM's KVEventsConfig,
+    # SGLang's disaggregation/kv_events.py KVEventsConfig); see docs/operations.md. vLLM's blocks
+    # default to 16 tokens (--block-size); SGLang's pages to 1 (--page-size: None resolves to 1
+    # unless the attention backend needs larger pages -- then give --block-size).
     block_size = 16 if source == "vllm" else 1
     return {"endpoint": "tcp://localhost:5557", "topic": "", "block_size": block_size}
 
@@ -371,6 +394,8 @@ def _cmd_ingest_zmq(args: argparse.Namespace) -> int:
             topic=args.topic,
             url=args.url,
             block_size=args.block_size,
+            window_size=args.window_size,
+            data_parallel_size=args.data_parallel_size,
             source=args.source,
             max_batches=args.max_batches,
         ),

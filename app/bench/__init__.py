@@ -27,6 +27,7 @@ BENCHMARKS: dict[str, str] = {
     "worker": "app.bench.worker:run",
     "router": "app.bench.router:run",
     "faults": "app.bench.faults:run",
+    "ingest": "app.bench.ingest:run",
 }
 
 
