@@ -104,11 +104,97 @@ class StoredBlock:
         )
 
 
-@dataclass(slots=True)
+# A stored block's fields in StoredBlock's (and the wire's) order, as one tuple.
+StoredBlockRow = tuple[
+    int,
+    tuple[int, ...],
+    tuple[int, ...] | None,
+    int,
+    int,
+    tuple[tuple[bytes | str, int], ...],
+    str | None,
+    int | None,
+]
+
+_block_row = attrgetter(
+    "block_hash",
+    "tokens",
+    "extra_ids",
+    "cache_level",
+    "priority",
+    "mm_keys",
+    "cache_salt",
+    "lora_id",
+)
+
+
 class StoredData:
-    parent_hash: int | None
-    blocks: list[StoredBlock]
-    type: Literal["stored"] = "stored"
+    """The blocks one storeBlocks call inserted below `parent_hash`.
+
+    The manager makes it from rows (one tuple of StoredBlock's fields per block, built in C);
+    the `StoredBlock` objects are made only when `blocks` is first read, so a worker that only
+    encodes its events (`rows()`) never makes them. Behaves as the dataclass it replaces
+    (fields, equality, repr).
+    """
+
+    __slots__ = ("_blocks", "_rows", "parent_hash", "type")
+    __match_args__ = ("parent_hash", "blocks", "type")
+    __hash__ = None  # type: ignore[assignment]  # mutable, as the dataclass was
+
+    def __init__(
+        self,
+        parent_hash: int | None,
+        blocks: list[StoredBlock],
+        type: Literal["stored"] = "stored",  # the dataclass field it replaces
+    ) -> None:
+        self.parent_hash = parent_hash
+        self._blocks: list[StoredBlock] | None = blocks
+        self._rows: list[StoredBlockRow] | None = None
+        self.type: Literal["stored"] = type
+
+    @classmethod
+    def from_rows(cls, parent_hash: int | None, rows: list[StoredBlockRow]) -> StoredData:
+        """A StoredData whose blocks are `StoredBlock(*row)` for each row (made lazily)."""
+        data = cls.__new__(cls)
+        data.parent_hash = parent_hash
+        data._blocks = None
+        data._rows = rows
+        data.type = "stored"
+        return data
+
+    @property
+    def blocks(self) -> list[StoredBlock]:
+        if self._blocks is None:
+            assert self._rows is not None
+            self._blocks = [StoredBlock(*row) for row in self._rows]
+            self._rows = None  # the list may be changed from now on: it is the truth
+        return self._blocks
+
+    @blocks.setter
+    def blocks(self, blocks: list[StoredBlock]) -> None:
+        self._blocks = blocks
+        self._rows = None
+
+    def rows(self) -> list[StoredBlockRow]:
+        """Each block's fields as a tuple, in wire order (what the codec packs)."""
+        if self._rows is not None:
+            return self._rows
+        assert self._blocks is not None
+        return list(map(_block_row, self._blocks))
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        assert isinstance(other, StoredData)
+        return (self.parent_hash, self.type) == (other.parent_hash, other.type) and (
+            self.rows() == other.rows()
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"StoredData(parent_hash={self.parent_hash!r}, blocks={self.blocks!r}, "
+            f"type={self.type!r})"
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -300,10 +386,9 @@ class KVCacheEventManager:
         parent_hash = (
             None if first_parent is None or first_parent.block_id < 0 else first_parent.hash
         )
-        # One column per field, each read in a C loop; then one constructor call per block.
-        stored = list(
-            map(
-                StoredBlock,
+        # One column per field, each read in a C loop, zipped into rows (no object per block).
+        rows: list[StoredBlockRow] = list(
+            zip(
                 map(_hash, blocks),
                 map(_tokens, blocks),
                 map(_extra_ids, blocks),
@@ -312,9 +397,10 @@ class KVCacheEventManager:
                 map(_extra_keys, blocks),
                 map(_cache_salt, blocks),
                 map(_lora_task_id, blocks),
+                strict=True,
             )
         )
-        self._enqueue(StoredData(parent_hash, stored), window_size)
+        self._enqueue(StoredData.from_rows(parent_hash, rows), window_size)
 
     def enqueue_removed(self, block_hash: int, window_size: int) -> None:
         if self._iteration:

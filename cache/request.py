@@ -261,24 +261,43 @@ class LlmRequest:
             )
             if full_stop < stop:
                 chunks.append(tuple(tokens[full_stop:stop]))
-            if not lent:
-                return [make(chunk, None, False, lora, (), salt) for chunk in chunks]
             out: list[BlockKey] = []
-            for chunk, block in zip(chunks, lent, strict=False):
-                if block is not None:
-                    key = block.key  # BlockKey.__eq__ against this request's key, unrolled
-                    if (
-                        key.tokens == chunk
-                        and key.extra_ids is None
-                        and not key.uses_extra_ids
-                        and key.lora_task_id == lora
-                        and not key.extra_keys
-                        and key.cache_salt_id == salt
-                    ):
-                        out.append(key)
-                        continue
-                out.append(make(chunk, None, False, lora, (), salt))
-            out.extend(make(chunk, None, False, lora, (), salt) for chunk in chunks[len(out) :])
+            append = out.append
+            new = object.__new__
+            if lent:
+                for chunk, block in zip(chunks, lent, strict=False):
+                    if block is not None:
+                        key = block.key  # BlockKey.__eq__ against this request's key, unrolled
+                        if (
+                            key.tokens == chunk
+                            and key.extra_ids is None
+                            and not key.uses_extra_ids
+                            and key.lora_task_id == lora
+                            and not key.extra_keys
+                            and key.cache_salt_id == salt
+                        ):
+                            append(key)
+                            continue
+                    key = new(BlockKey)  # BlockKey._make(chunk, None, False, lora, (), salt)
+                    key.tokens = chunk
+                    key.extra_ids = None
+                    key.uses_extra_ids = False
+                    key.lora_task_id = lora
+                    key.extra_keys = ()
+                    key.cache_salt_id = salt
+                    append(key)
+                if len(out) == len(chunks):
+                    return out
+                chunks = chunks[len(out) :]
+            for chunk in chunks:
+                key = new(BlockKey)  # BlockKey._make(chunk, None, False, lora, (), salt), inlined
+                key.tokens = chunk
+                key.extra_ids = None
+                key.uses_extra_ids = False
+                key.lora_task_id = lora
+                key.extra_keys = ()
+                key.cache_salt_id = salt
+                append(key)
             return out
         uses_extra = extra is not None
         keys = []

@@ -17,6 +17,7 @@ follows those evictions block by block (`_count_with_onboards`).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from operator import attrgetter
 from typing import NamedTuple
 
 from cache.block import KVCacheBlock
@@ -30,6 +31,9 @@ from cache.retention import DEFAULT_PRIORITY
 from cache.transfer import Slot, TransferEngine
 
 Retention = tuple[int | None, float | None]
+
+_block_id = attrgetter("block_id")
+_key = attrgetter("key")
 
 
 class ContextKeys(NamedTuple):
@@ -238,12 +242,14 @@ class WindowBlockManager:
             block.expiry_token += 1
             block.priority = DEFAULT_PRIORITY if priority is None else priority
             block.duration_s = duration
-            block_id = block.block_id
-            owner = owners.get(block_id)
+            out.append(block)
+        # _take_from_owner for each block, in two C-level passes (the ids are distinct, and
+        # marking an owner invalid changes no other block's check).
+        ids = list(map(_block_id, out))
+        for owner in set(map(owners.get, ids)):
             if owner is not None and owner != rid and owner in valid:
                 valid[owner] = False
-            owners[block_id] = rid
-            out.append(block)
+        owners.update(dict.fromkeys(ids, rid))
         self.events.enqueue_removed_many(removed, window)
         self.alloc_new_blocks += num_new
         self.alloc_total_blocks += len(victims)
@@ -526,10 +532,10 @@ class WindowBlockManager:
                 self.onboard_block(sequence, block)
                 onboarded = True
             taken.append(block)
-            keys[position] = block.key
             position += 1
         self._add_blocks_to_all_beams(taken, sequence)
         num_taken = position - plan.start
+        keys[plan.start : position] = map(_key, plan.blocks[:num_taken])
         self.reused_blocks += num_taken
         return num_taken, onboarded
 
@@ -861,12 +867,14 @@ class WindowBlockManager:
             ).pinned_ids
         front = sequence.num_front_blocks_removed[self.window_size]
         freed: list[KVCacheBlock] = []
-        for i in range(len(blocks) - 1, front - 1, -1):
-            block = blocks[i]
-            if block.ref_count > 0:  # an out-of-window block may hold none
-                block.ref_count -= 1
-            if block.ref_count == 0:
-                freed.append(block)
+        append = freed.append
+        for block in reversed(blocks[front:] if front else blocks):
+            ref = block.ref_count
+            if ref > 1:
+                block.ref_count = ref - 1
+            elif ref >= 0:  # the last reference, or none (an out-of-window block may hold none)
+                block.ref_count = 0
+                append(block)
         self.policy.release_blocks(freed)
         sequence.cache_block_ids[self.window_size] = [[] for _ in range(sequence.beam_width)]
         return pinned

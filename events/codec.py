@@ -29,7 +29,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from itertools import chain
-from operator import attrgetter
 from typing import Any, Final
 
 import msgpack  # type: ignore[import-untyped]
@@ -73,18 +72,6 @@ _BLOCK_LEN: Final = 8
 _MAX_U64: Final = 2**64 - 1
 _INT_ONLY: Final = frozenset((int,))
 
-# One C call per stored block: the fields in wire order.
-_block_fields = attrgetter(
-    "block_hash",
-    "tokens",
-    "extra_ids",
-    "cache_level",
-    "priority",
-    "mm_keys",
-    "cache_salt",
-    "lora_id",
-)
-
 
 # -- encoding --------------------------------------------------------------------------------
 
@@ -97,8 +84,7 @@ def _event_array(event: KVCacheEvent) -> list[Any]:
     data = event.data
     out: list[Any]
     if isinstance(data, StoredData):
-        blocks = list(map(_block_fields, data.blocks))
-        out = [event.event_id, event.window_size, TYPE_STORED, data.parent_hash, blocks]
+        out = [event.event_id, event.window_size, TYPE_STORED, data.parent_hash, data.rows()]
     elif isinstance(data, RemovedData):
         out = [event.event_id, event.window_size, TYPE_REMOVED, data.block_hashes]
     elif isinstance(data, UpdatedData):
