@@ -5,13 +5,9 @@ by id), the eviction policy (`cache.eviction`), the reuse tree (`cache.radix`) a
 each live sequence, and writes its events into an `EventSink` (a do-nothing one when events
 are off).
 
-Where the seed throws half way through an allocation, `count_blocks_needed` is asked first: a
-dry run of the same walk (`ReuseTree.match`) that counts exactly the free primary blocks the
-allocation will take, so a request that cannot get its blocks is refused before anything
-changes, and a request the seed admits is never refused. Every matched position costs one free
-block except a full match of a primary block that is already held (it is only claimed); an
-onboard takes a free block that may be a block the walk would match next, and the dry run
-follows those evictions block by block (`_count_with_onboards`).
+Where the seed throws half way through an allocation, `count_blocks_needed` is asked first:
+the dry run in `cache.dryrun`, which walks the tree with the allocation's own walk
+(`ReuseTree.match`) and counts exactly the free primary blocks the allocation will take.
 """
 
 from __future__ import annotations
@@ -21,6 +17,7 @@ from operator import attrgetter
 from typing import NamedTuple
 
 from cache.block import KVCacheBlock
+from cache.dryrun import BlockCount, count_blocks_needed
 from cache.errors import OutOfBlocksError, PinConflictError, UnknownBlockError
 from cache.events import EventDiff, EventSink, UpdatedData
 from cache.eviction import PRIMARY_LEVEL, SECONDARY_LEVEL, LRUEvictionPolicy
@@ -41,13 +38,6 @@ class ContextKeys(NamedTuple):
 
     keys: list[BlockKey]
     hashes: list[BlockHash]
-
-
-class BlockCount(NamedTuple):
-    """The dry run's answer: free primary blocks add_sequence takes, and tokens it reuses."""
-
-    num_blocks: int
-    num_matched_tokens: int
 
 
 class StoredBlocks(NamedTuple):
@@ -351,121 +341,10 @@ class WindowBlockManager:
         share_last: bool,
     ) -> BlockCount:
         """Exactly the free primary blocks add_sequence will take from this window, and the
-        tokens it will reuse when the sequence may reuse at most `cap` tokens."""
-        beam = sequence.beam_width
-        if not reuse:
-            return BlockCount(num_context_blocks - 1 + (1 if share_last else beam), 0)
-        num_shared = num_context_blocks - 1 if beam > 1 else num_context_blocks
-        tail = (num_context_blocks - num_shared) * beam
-        plan = self.tree.match(keys, hashes, num_shared, cap)
-        if self.onboard_blocks and not all(block.is_primary for block in plan.blocks):
-            cost, reached, matched = self._count_with_onboards(plan, keys, hashes, num_shared, cap)
-            return BlockCount(cost + num_shared - reached + tail, matched)
-        # Nothing is evicted before the walk stops matching: a full match that is not a free
-        # primary block (one held, or without onboarding one in the secondary pool) is only
-        # claimed; every other position takes one free primary block.
-        claimed = sum(1 for block in plan.blocks if block.q_level != PRIMARY_LEVEL)
-        return BlockCount(num_shared - claimed + tail, plan.num_matched_tokens)
-
-    def _count_with_onboards(
-        self,
-        plan: TreeMatch,
-        keys: Sequence[BlockKey],
-        hashes: Sequence[BlockHash],
-        stop: int,
-        cap: int,
-    ) -> tuple[int, int, int]:
-        """The dry run of a walk that onboards: (free blocks its full matches take, how many of
-        them it reaches, tokens matched with the partial match after them).
-
-        Each onboard's getFreeBlock takes the next free primary block (offloading it when it
-        may, which drops the first free secondary block from the tree instead); a planned
-        block dropped that way ends the walk, as a miss would. Nothing is changed: the queues
-        are read in order and the dry run's own moves are kept aside.
-        """
-        policy = self.policy
-        threshold = policy.secondary_offload_min_priority
-        primary_queue = policy.iter_free(PRIMARY_LEVEL)
-        secondary_queue = policy.iter_free(SECONDARY_LEVEL)
-        taken: set[int] = set()  # out of their free queue: claimed, victims, offload targets
-        gone: set[int] = set()  # dropped from the tree (with their subtrees)
-        moved: dict[int, bool] = {}  # block id -> is_primary, where the dry run moved it
-        queued: list[tuple[int, int, KVCacheBlock]] = []  # (priority, order) of secondary releases
-        num_secondary_free = policy.get_num_free_blocks(SECONDARY_LEVEL)
-        head: KVCacheBlock | None = next(secondary_queue, None)
-        cost = 0
-        reached = 0
-
-        def release_to_secondary(block: KVCacheBlock, priority: int) -> None:
-            nonlocal num_secondary_free
-            moved[block.block_id] = False
-            queued.append((priority, len(taken) + len(queued) + len(gone), block))
-            num_secondary_free += 1
-
-        def first_secondary() -> KVCacheBlock:
-            nonlocal head, num_secondary_free
-            while head is not None and head.block_id in taken:
-                head = next(secondary_queue, None)
-            best = min(queued, key=lambda entry: entry[:2]) if queued else None
-            num_secondary_free -= 1
-            if head is not None and (best is None or head.q_priority <= best[0]):
-                block = head
-                taken.add(block.block_id)
-                head = next(secondary_queue, None)
-                return block
-            assert best is not None
-            queued.remove(best)
-            return best[2]
-
-        for block in plan.blocks:
-            block_id = block.block_id
-            if block_id in gone:
-                break
-            reached += 1
-            if moved.get(block_id, block.is_primary):
-                if block.q_level == PRIMARY_LEVEL and block_id not in taken:
-                    cost += 1
-                taken.add(block_id)
-                continue
-            # A secondary match: claimed out of the secondary queue, then onboarded.
-            entry = next((e for e in queued if e[2] is block), None)
-            if entry is not None:
-                queued.remove(entry)
-                num_secondary_free -= 1
-            elif block.q_level == SECONDARY_LEVEL and block_id not in taken:
-                num_secondary_free -= 1
-            taken.add(block_id)
-            cost += 1
-            victim = next((b for b in primary_queue if b.block_id not in taken), None)
-            if victim is None:  # the allocation runs out of blocks here
-                return cost + len(plan.blocks) - reached, reached, plan.num_tokens
-            taken.add(victim.block_id)
-            if victim.key.tokens and victim.q_priority >= threshold and num_secondary_free > 0:
-                fresh = first_secondary()
-                gone.add(fresh.block_id)
-                release_to_secondary(victim, victim.priority)  # it stays in the tree
-            else:
-                fresh = victim
-                gone.add(fresh.block_id)
-            release_to_secondary(fresh, DEFAULT_PRIORITY)  # it took the onboarded block's slot
-            moved[block_id] = True
-        matched = reached * self.tokens_per_block
-        if reached == len(plan.blocks) and not gone:
-            return cost, reached, plan.num_matched_tokens
-        position = plan.start + reached
-        if position < stop:
-            parent = plan.blocks[reached - 1] if reached else self.tree.root
-            found = self.tree.find_matching_block(
-                parent,
-                keys[position],
-                hashes[position],
-                self.enable_partial_reuse,
-                self.copy_on_partial_reuse,
-                gone,
-            )
-            if found.block is not None and matched + found.num_tokens <= cap:
-                matched += found.num_tokens
-        return cost, reached, matched
+        tokens it will reuse when the sequence may reuse at most `cap` tokens (`cache.dryrun`)."""
+        return count_blocks_needed(
+            self, keys, hashes, sequence, num_context_blocks, cap, reuse, share_last
+        )
 
     def add_sequence(
         self,
