@@ -10,11 +10,19 @@ To add one, write ``app/bench/<name>.py`` with a ``run(args)`` and add a line he
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import importlib
-from collections.abc import Callable
-from typing import Any
+import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["BENCHMARKS", "Benchmark", "load_benchmark"]
+if TYPE_CHECKING:
+    from multiprocessing.connection import Connection
+
+    from app.redis_server import EmbeddedRedis
+
+__all__ = ["BENCHMARKS", "Benchmark", "bench_redis", "load_benchmark", "receive"]
 
 Benchmark = Callable[[argparse.Namespace], dict[str, Any]]
 
@@ -37,3 +45,29 @@ def load_benchmark(name: str) -> Benchmark:
     module = importlib.import_module(module_name)
     bench: Benchmark = getattr(module, attr)
     return bench
+
+
+@contextlib.contextmanager
+def bench_redis() -> Iterator[tuple[str, EmbeddedRedis | None]]:
+    """The Redis a benchmark runs against: $REDIS_URL / KVMESH_REDIS_URL when set (no server of
+    ours: None), else a private embedded ``redis-server`` for the run (stopped after it)."""
+    from app.redis_server import EmbeddedRedis
+    from app.settings import Settings
+
+    url = Settings().redis_url
+    if url is not None:
+        yield url, None
+        return
+    with EmbeddedRedis() as server:
+        yield server.url, server
+
+
+async def receive(conn: Connection, timeout_s: float, who: str) -> Any:
+    """The next message from a benchmark's helper process, polled without blocking the event
+    loop; TimeoutError naming `who` if none comes within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not conn.poll():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the {who} process did not answer")
+        await asyncio.sleep(0.002)
+    return conn.recv()

@@ -54,8 +54,7 @@ from typing import Any
 
 import numpy as np
 
-from app.redis_server import EmbeddedRedis
-from app.settings import Settings
+from app.bench import bench_redis, receive
 from cache import KVCacheEvent, KVCacheManager, LlmRequest, RemovedData, StoredData
 from events.consumer import EventConsumer
 from events.envelope import Envelope
@@ -228,22 +227,13 @@ async def _consume(
 # -- the publishing side ---------------------------------------------------------------------
 
 
-async def _wait_for(conn: Connection) -> Any:
-    deadline = time.monotonic() + TIMEOUT_S
-    while not conn.poll():
-        if time.monotonic() > deadline:
-            raise TimeoutError("the consumer process did not answer")
-        await asyncio.sleep(0.002)
-    return conn.recv()
-
-
 async def _publish(
     url: str, recordings: list[Recording], conn: Connection, rate: float | None
 ) -> dict[str, Any]:
     publishers = [EventPublisher(url, rec.worker_id) for rec in recordings]
     for publisher in publishers:
         await publisher.start()
-    if await _wait_for(conn) != "ready":
+    if await receive(conn, TIMEOUT_S, "consumer") != "ready":
         raise RuntimeError("unexpected message from the consumer process")
     per_publisher = rate / len(recordings) if rate else None
 
@@ -267,7 +257,7 @@ async def _publish(
         await publisher.flush(TIMEOUT_S)
     publish_seconds = time.monotonic() - t0
     cpu_s = time.process_time() - cpu_start
-    result = await _wait_for(conn)
+    result = await receive(conn, TIMEOUT_S, "consumer")
     stats = [p.stats() for p in publishers]
     for publisher in publishers:
         await publisher.aclose()
@@ -384,8 +374,5 @@ def measure(url: str, *, quick: bool, embedded: bool) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    url = Settings().redis_url
-    if url is not None:
-        return measure(url, quick=args.quick, embedded=False)
-    with EmbeddedRedis() as server:
-        return measure(server.url, quick=args.quick, embedded=True)
+    with bench_redis() as (url, server):
+        return measure(url, quick=args.quick, embedded=server is not None)

@@ -41,9 +41,8 @@ from typing import Any
 import msgpack  # type: ignore[import-untyped]
 import zmq
 
+from app.bench import bench_redis, receive
 from app.ingest_vllm import VllmIngest
-from app.redis_server import EmbeddedRedis
-from app.settings import Settings
 from cache import block_hashes_for_tokens
 from events.consumer import EventConsumer
 
@@ -159,17 +158,8 @@ def _sender(payloads: list[bytes], conn: Connection) -> None:
     conn.send("sent")
 
 
-async def _answer(conn: Connection) -> Any:
-    deadline = time.monotonic() + TIMEOUT_S
-    while not conn.poll():
-        if time.monotonic() > deadline:
-            raise TimeoutError("the sender process did not answer")
-        await asyncio.sleep(0.002)
-    return conn.recv()
-
-
 async def _ingest(url: str, work: Workload, conn: Connection) -> dict[str, Any]:
-    port = await _answer(conn)
+    port = await receive(conn, TIMEOUT_S, "sender")
     worker_id = f"bench-vllm-{secrets.token_hex(4)}"
     ingest = VllmIngest(
         f"tcp://127.0.0.1:{port}",
@@ -181,7 +171,7 @@ async def _ingest(url: str, work: Workload, conn: Connection) -> dict[str, Any]:
     )
     num_batches = len(work.payloads)
     async with ingest:
-        if await _answer(conn) != "subscribed":
+        if await receive(conn, TIMEOUT_S, "sender") != "subscribed":
             raise RuntimeError("the ingester did not subscribe")
         cpu_start = time.process_time()
         t0 = time.monotonic()
@@ -190,7 +180,7 @@ async def _ingest(url: str, work: Workload, conn: Connection) -> dict[str, Any]:
         await ingest.publisher.flush(TIMEOUT_S)
         seconds = time.monotonic() - t0
         cpu_s = time.process_time() - cpu_start
-        if await _answer(conn) != "sent":
+        if await receive(conn, TIMEOUT_S, "sender") != "sent":
             raise RuntimeError("the sender did not finish")
         stats = ingest.stats()
         publisher_stats = ingest.publisher.stats()
@@ -265,8 +255,5 @@ def measure(url: str, *, quick: bool, embedded: bool) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    url = Settings().redis_url
-    if url is not None:
-        return measure(url, quick=args.quick, embedded=False)
-    with EmbeddedRedis() as server:
-        return measure(server.url, quick=args.quick, embedded=True)
+    with bench_redis() as (url, server):
+        return measure(url, quick=args.quick, embedded=server is not None)

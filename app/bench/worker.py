@@ -76,9 +76,8 @@ import numpy as np
 import orjson
 import uvloop
 
+from app.bench import bench_redis
 from app.bench.manager import PREFIX_TOKENS, SEED, TOKENS_PER_REQUEST, VOCAB_SIZE, make_prompts
-from app.redis_server import EmbeddedRedis
-from app.settings import Settings
 from cache import KVCacheManager, LlmRequest, RequestState
 
 NUM_REQUESTS = 2_000
@@ -541,8 +540,5 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "num_requests": NUM_REQUESTS_QUICK if quick else NUM_REQUESTS,
         "concurrency": CONCURRENCY_QUICK if quick else CONCURRENCY,
     }
-    url = Settings().redis_url
-    if url is not None:
-        return measure(url, None, **sizes)
-    with EmbeddedRedis() as server:
-        return measure(server.url, server.pid, **sizes)
+    with bench_redis() as (url, server):
+        return measure(url, server.pid if server is not None else None, **sizes)
