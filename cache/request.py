@@ -11,6 +11,8 @@ from __future__ import annotations
 import warnings
 from collections.abc import Mapping, Sequence
 from enum import Enum
+from itertools import chain
+from operator import attrgetter
 from typing import Any, Protocol, cast
 
 import numpy as np
@@ -22,13 +24,18 @@ from cache.hashing import (
     MultimodalItem,
     as_token_array,
     block_extra_keys,
-    block_key_hash,
     hash_token_blocks,
     multimodal_arrays,
 )
 from cache.retention import DEFAULT_RETENTION, RetentionConfig, TransferMode
 
 INT_MAX = 2**31 - 1
+_key = attrgetter("key")
+_tokens = attrgetter("tokens")
+# Everything of a key but its tokens; a plain key of a request is (None, False, lora, (), salt).
+_namespace = attrgetter(
+    "extra_ids", "uses_extra_ids", "lora_task_id", "extra_keys", "cache_salt_id"
+)
 
 
 class _HasKey(Protocol):
@@ -226,14 +233,24 @@ class LlmRequest:
         """The key of the partial block after the full ones, and its hash below them (the hash
         is cached: a request is added and released with the same partial tail)."""
         num_full = usable // tokens_per_block
-        key = self._make_keys(num_full * tokens_per_block, usable, tokens_per_block, encoder)[0]
+        start = num_full * tokens_per_block
         cached = self._tail_cache.get((tokens_per_block, encoder))
         # The same key below the same full blocks (whose cached hashes stay valid) has the
-        # same hash; tokens may have been rewritten in place, so the key is compared.
+        # same hash; tokens may have been rewritten in place, so the key is compared. Without
+        # extra ids only the tokens can differ (the rest is the request's, or the position's).
+        if cached is not None and cached[0] == usable:
+            tokens, extra = self._source(encoder)
+            if extra is None and cached[1].tokens == tuple(tokens[start:usable]):
+                return cached[1], cached[2]
+        key = self._make_keys(start, usable, tokens_per_block, encoder)[0]
         if cached is not None and cached[0] == usable and cached[1] == key:
             return cached[1], cached[2]
-        hashes = self.block_hashes(tokens_per_block, num_full * tokens_per_block, False, encoder)
-        key_hash = block_key_hash(key, hashes[-1] if hashes else 0)
+        hashes = self.block_hashes(tokens_per_block, start, False, encoder)
+        key_hash = int(
+            self._hash_blocks(
+                start, usable, tokens_per_block, encoder, hashes[-1] if hashes else 0
+            )[0]
+        )
         self._tail_cache[(tokens_per_block, encoder)] = (usable, key, key_hash)
         return key, key_hash
 
@@ -254,6 +271,25 @@ class LlmRequest:
         lora, salt = self.lora_task_id, self.cache_salt_id
         starts = range(start, stop, tokens_per_block)
         if extra is None and not self.multimodal:
+            out: list[BlockKey] = []
+            if lent:
+                # The leading run of lent blocks (the shared prefix, usually) checked in C
+                # passes, with no tuple made per block: the same tokens (keys hold at most
+                # tokens_per_block each, so equal concatenations mean equal blocks), and the
+                # namespace of a plain key of this request.
+                run = min(
+                    lent.index(None) if None in lent else len(lent),
+                    (stop - start) // tokens_per_block,
+                )
+                if run:
+                    run_keys: list[BlockKey] = list(map(_key, lent[:run]))
+                    run_stop = start + run * tokens_per_block
+                    if list(chain.from_iterable(map(_tokens, run_keys))) == tokens[
+                        start:run_stop
+                    ] and set(map(_namespace, run_keys)) == {(None, False, lora, (), salt)}:
+                        out = run_keys
+                        lent = lent[run:]
+                        start = run_stop
             full_stop = start + (stop - start) // tokens_per_block * tokens_per_block
             # Full blocks as tuples in one C-level pass (zip over one iterator, tpb at a time).
             chunks: list[tuple[int, ...]] = list(
@@ -261,10 +297,10 @@ class LlmRequest:
             )
             if full_stop < stop:
                 chunks.append(tuple(tokens[full_stop:stop]))
-            out: list[BlockKey] = []
             append = out.append
             new = object.__new__
             if lent:
+                consumed = min(len(chunks), len(lent))
                 for chunk, block in zip(chunks, lent, strict=False):
                     if block is not None:
                         key = block.key  # BlockKey.__eq__ against this request's key, unrolled
@@ -286,9 +322,7 @@ class LlmRequest:
                     key.extra_keys = ()
                     key.cache_salt_id = salt
                     append(key)
-                if len(out) == len(chunks):
-                    return out
-                chunks = chunks[len(out) :]
+                chunks = chunks[consumed:]
             for chunk in chunks:
                 key = new(BlockKey)  # BlockKey._make(chunk, None, False, lora, (), salt), inlined
                 key.tokens = chunk
@@ -326,36 +360,63 @@ class LlmRequest:
         self, tokens_per_block: int, usable: int, allow_partial: bool, encoder: bool = False
     ) -> list[BlockHash]:
         """Chained hashes of the keys `block_keys` returns, full blocks cached on the request."""
-        tokens, extra = self._source(encoder)
+        tokens = self._source(encoder)[0]
         usable = max(0, min(usable, len(tokens)))
         num_full = usable // tokens_per_block
         cache = self._hash_cache.setdefault((tokens_per_block, encoder), [])
         if len(cache) * tokens_per_block > len(tokens):
             self._trim_caches()
         if len(cache) < num_full:
-            done = len(cache)
-            start = done * tokens_per_block
+            start = len(cache) * tokens_per_block
             stop = num_full * tokens_per_block
-            new = hash_token_blocks(
-                as_token_array(tokens[start:stop]),
-                tokens_per_block,
-                num_full - done,
-                parent_hash=cache[-1] if cache else 0,
-                token_offset=start,
-                extra_ids=(
-                    np.asarray(extra[start:stop], dtype=np.uint64)
-                    if extra is not None and not encoder
-                    else None
-                ),
-                lora_task_id=self.lora_task_id,
-                cache_salt_id=self.cache_salt_id,
-                mm=self._multimodal_arrays() if self.multimodal else None,
+            # A partial tail, when asked for and not known yet, is hashed in the same call.
+            with_tail = (
+                allow_partial
+                and usable > stop
+                and (self._tail_cache.get((tokens_per_block, encoder)) or (-1,))[0] != usable
             )
+            new = self._hash_blocks(
+                start,
+                usable if with_tail else stop,
+                tokens_per_block,
+                encoder,
+                cache[-1] if cache else 0,
+            )
+            if with_tail:
+                key = self._make_keys(stop, usable, tokens_per_block, encoder)[0]
+                self._tail_cache[(tokens_per_block, encoder)] = (usable, key, int(new[-1]))
+                new = new[:-1]
             cache.extend(cast(list[BlockHash], new.tolist()))
         hashes = cache[:num_full]
         if allow_partial and usable % tokens_per_block:
             hashes.append(BlockHash(self._tail(tokens_per_block, usable, encoder)[1]))
         return hashes
+
+    def _hash_blocks(
+        self, start: int, stop: int, tokens_per_block: int, encoder: bool, parent_hash: int
+    ) -> Any:
+        """The chained hashes of the blocks of tokens [start, stop) (the last may be partial),
+        below `parent_hash`, as a uint64 array: one kernel call."""
+        tokens, extra = self._source(encoder)
+        # Converting the whole list and slicing the array saves copying the list first.
+        words = (
+            as_token_array(tokens)[start:stop] if start == 0 else as_token_array(tokens[start:stop])
+        )
+        return hash_token_blocks(
+            words,
+            tokens_per_block,
+            -(-(stop - start) // tokens_per_block),
+            parent_hash=parent_hash,
+            token_offset=start,
+            extra_ids=(
+                np.asarray(extra[start:stop], dtype=np.uint64)
+                if extra is not None and not encoder
+                else None
+            ),
+            lora_task_id=self.lora_task_id,
+            cache_salt_id=self.cache_salt_id,
+            mm=self._multimodal_arrays() if self.multimodal else None,
+        )
 
     def _multimodal_arrays(self) -> Any:
         if self._mm_arrays is None:

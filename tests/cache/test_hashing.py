@@ -153,6 +153,38 @@ def test_request_hashes_match_the_manager_and_the_router() -> None:
     assert request.block_hashes(16, 48, False)[:2] == first
 
 
+@pytest.mark.parametrize("with_extra", [False, True])
+def test_a_partial_tail_hashes_as_its_key_below_the_full_blocks(with_extra: bool) -> None:
+    """The tail is hashed in the same kernel call as the full blocks, or on its own once they
+    are cached; either way it is block_key_hash of its key, as a Python int."""
+    tokens = list(range(100, 139))
+    extra = [i % 3 for i in range(39)] if with_extra else None
+    full = block_hashes_for_tokens(
+        tokens[:32], 16, extra_ids=extra[:32] if extra else None, lora_task_id=5, cache_salt_id=9
+    )
+    tail_key = BlockKey(
+        tokens[32:39],
+        extra[32:39] if extra else None,
+        uses_extra_ids=with_extra,
+        lora_task_id=5,
+        cache_salt_id=9,
+    )
+    expected = [*full, block_key_hash(tail_key, full[-1])]
+
+    at_once = LlmRequest(1, tokens, extra_ids=extra, lora_task_id=5, cache_salt_id=9)
+    assert at_once.block_hashes(16, 39, True) == expected
+    later = LlmRequest(2, tokens, extra_ids=extra, lora_task_id=5, cache_salt_id=9)
+    assert later.block_hashes(16, 32, False) == full
+    assert later.block_hashes(16, 39, True) == expected
+    for request in (at_once, later):
+        assert [type(h) for h in request.block_hashes(16, 39, True)] == [int, int, int]
+        assert request.block_keys(16, 39, True)[-1] == tail_key
+    # a rewritten tail token (a rewind) gives the new tail's hash
+    later.tokens[35] = 7
+    tail_key.tokens = (*tokens[32:35], 7, *tokens[36:39])
+    assert later.block_hashes(16, 39, True)[-1] == block_key_hash(tail_key, full[-1])
+
+
 def test_block_key_validation() -> None:
     with pytest.raises(ValueError, match="extra_ids has 1 entries for 2 tokens"):
         BlockKey(tokens=[1, 2], extra_ids=[5])
