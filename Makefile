@@ -12,11 +12,11 @@ PIP_FLAGS ?= --quiet --disable-pip-version-check
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvmesh-installed
 TORCH_STAMP := $(VENV)/.torch-spec
-CHECKED := app cache events tests
+CHECKED := app cache events tests tools
 
-.PHONY: setup browser demo test lint fmt typecheck pytest clean FORCE
+.PHONY: setup native browser demo test lint fmt typecheck pytest clean FORCE
 
-setup: $(STAMP)
+setup: native
 
 # Rewritten only when TORCH_SPEC changes, so a new spec re-runs the install.
 $(TORCH_STAMP): FORCE
@@ -41,7 +41,12 @@ $(STAMP): pyproject.toml constraints.txt $(TORCH_STAMP) | browser
 	$(BIN)/python -m pip install $(PIP_FLAGS) -e '.[dev]' -c constraints.txt
 	@touch $@
 
-demo: $(STAMP)
+# cache/'s hot modules compiled with mypyc, in place (tools/build_native.py, a few minutes): a
+# no-op while the build matches the sources; where it cannot be built, cache/ runs as Python.
+native: $(STAMP)
+	$(BIN)/python tools/build_native.py
+
+demo: native
 	$(BIN)/kvmesh demo
 
 lint: $(STAMP)
@@ -59,7 +64,7 @@ pytest: $(STAMP)
 	$(BIN)/pytest
 
 # pytest last: its summary line is the last line of output (CI reads it).
-test: lint typecheck pytest
+test: lint typecheck native pytest
 
 # A long random run of the cache state machine against its model (about 1,000 runs of 80 steps,
 # minutes), before and after changes to cache/'s hot paths. KVMESH_HYPOTHESIS_EXAMPLES=N sets
@@ -70,6 +75,7 @@ test-long: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis build *.egg-info
+	rm -f cache/*.so cache/native.digest
 	find . -name __pycache__ -type d -prune -not -path './.git/*' -exec rm -rf {} +
 
 FORCE:

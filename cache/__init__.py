@@ -1,8 +1,15 @@
 """kvmesh's per-worker KV cache block manager: a Python port of TensorRT-LLM's kvCacheManager.cpp.
 
 Pure and synchronous; torch only in `cache.pools`. See DESIGN.md section 1 for the public API.
+`CACHE_IMPL` says whether the hot modules run compiled by mypyc or as Python (`cache._native`).
 """
 
+# First, before any module it decides on is imported: the compiled build or the sources.
+from cache._native import select as _select_build
+
+CACHE_IMPL = _select_build()
+
+# ruff: noqa: E402 (the imports below must follow the choice above)
 from cache.block import KVCacheBlock
 from cache.errors import (
     DuplicateRequestError,
@@ -45,6 +52,7 @@ class CacheLevel:
 
 
 __all__ = [
+    "CACHE_IMPL",
     "HASH_IMPL",
     "BlockHash",
     "BlockKey",

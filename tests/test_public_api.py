@@ -8,6 +8,7 @@ import importlib
 import pytest
 
 CACHE_ALL = [
+    "CACHE_IMPL",
     "HASH_IMPL",
     "BlockHash",
     "BlockKey",

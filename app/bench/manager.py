@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from cache import HASH_IMPL, KVCacheManager, LlmRequest
+from cache import CACHE_IMPL, HASH_IMPL, KVCacheManager, LlmRequest
 from events.codec import encode_events
 
 SEED = 3  # issue #3
@@ -126,6 +126,7 @@ def measure(num_requests: int, num_warmup: int = NUM_WARMUP) -> dict[str, Any]:
         "events": counters["events"],
         "event_bytes": counters["event_bytes"],
         "hash_impl": HASH_IMPL,
+        "cache_impl": CACHE_IMPL,
         "warmup_requests": num_warmup,
     }
 

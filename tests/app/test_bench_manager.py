@@ -10,6 +10,7 @@ from app.bench.manager import (
     make_prompts,
     run,
 )
+from cache._native import built as native_built
 from tests.app.bench_cli import run_quick_bench
 
 KEYS = {
@@ -20,6 +21,7 @@ KEYS = {
     "seconds",
     "event_bytes",
     "hash_impl",
+    "cache_impl",
     "us_per_request",
 }
 
@@ -66,6 +68,8 @@ def test_quick_run_from_the_command_line() -> None:
     assert report.keys() >= KEYS
     assert report["requests"] == NUM_REQUESTS_QUICK
     assert report["hash_impl"] in ("numba", "python")
+    # the mypyc build whenever it matches the sources (make test builds it first)
+    assert report["cache_impl"] == ("mypyc" if native_built() else "python")
     for key in ("requests_per_s", "blocks_per_s", "seconds", "us_per_request"):
         assert isinstance(report[key], int | float) and report[key] > 0, key
     assert isinstance(report["event_bytes"], int) and report["event_bytes"] > 0

@@ -1,0 +1,135 @@
+"""The mypyc build of cache/'s hot modules (cache/_native.py, tools/build_native.py): it runs only
+when made from the sources as they are, the sources run otherwise, and both give the same run."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.machinery
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from app.bench.manager import PREFIX_TOKENS, TOKENS_PER_BLOCK, make_prompts
+from cache import _native
+
+REPO = Path(__file__).resolve().parents[2]
+SUFFIX = importlib.machinery.EXTENSION_SUFFIXES[0]
+
+
+def _fake_build(directory: Path) -> None:
+    """What a build leaves: an extension per module, the shared library, the digest."""
+    for name in (*_native.MODULES, _native.SHARED_LIB):
+        (directory / f"{name}{SUFFIX}").write_bytes(b"")
+    (directory / _native.DIGEST_FILE).write_text(_native.sources_digest(directory) + "\n")
+
+
+def test_a_build_counts_only_when_complete_and_made_from_these_sources(tmp_path: Path) -> None:
+    for source in (REPO / "cache").glob("*.py"):
+        shutil.copy(source, tmp_path)
+    assert not _native.built(tmp_path)
+    _fake_build(tmp_path)
+    assert _native.built(tmp_path)
+
+    # An edit to any source, compiled or imported by the compiled ones, makes the build stale.
+    retention = tmp_path / "retention.py"
+    retention.write_text(retention.read_text() + "\n# edited\n")
+    assert not _native.built(tmp_path)
+    _fake_build(tmp_path)
+    assert _native.built(tmp_path)
+
+    (tmp_path / f"{_native.SHARED_LIB}{SUFFIX}").unlink()
+    assert not _native.built(tmp_path)
+
+
+def test_the_digest_is_sha256_over_names_and_bytes_in_name_order(tmp_path: Path) -> None:
+    (tmp_path / "b.py").write_bytes(b"x = 2\n")
+    (tmp_path / "a.py").write_bytes(b"x = 1\n")
+    (tmp_path / "notes.txt").write_bytes(b"not a source")
+    expected = hashlib.sha256(b"a.py\0x = 1\nb.py\0x = 2\n").hexdigest()
+    assert _native.sources_digest(tmp_path) == expected
+
+
+def test_the_source_finder_loads_the_py_ahead_of_an_extension(tmp_path: Path) -> None:
+    package = tmp_path / "kvmesh_probe_pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "hot.py").write_text("WHERE = 'source'\n")
+    (package / f"hot{SUFFIX}").write_bytes(b"not an extension")  # a broken, stale build
+    script = (
+        "import sys; from pathlib import Path; from cache._native import SourceFinder\n"
+        "if sys.argv[1] == 'finder':\n"
+        f"    sys.meta_path.insert(0, SourceFinder('kvmesh_probe_pkg', Path({str(package)!r}),"
+        " ['hot']))\n"
+        "import kvmesh_probe_pkg.hot as hot; print(hot.WHERE)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}
+    with_finder = subprocess.run(
+        [sys.executable, "-c", script, "finder"], env=env, capture_output=True, text=True
+    )
+    assert (with_finder.returncode, with_finder.stdout) == (0, "source\n")
+    without = subprocess.run(
+        [sys.executable, "-c", script, "none"], env=env, capture_output=True, text=True
+    )
+    assert without.returncode == 1
+    assert "ImportError" in without.stderr
+
+
+# The bench's workload, shortened: every event, every block id and the stats, hashed.
+_RUN = """
+import hashlib, json, cache
+from app.bench.manager import make_manager, make_prompts
+from cache import LlmRequest
+from events.codec import encode_events
+mgr = make_manager()
+digest = hashlib.sha256()
+live = []
+for rid, tokens in enumerate(make_prompts(60)):
+    if len(live) == 8:
+        old = live.pop(0)
+        mgr.remove_sequence(old.request_id, old)
+    request = LlmRequest(rid, tokens)
+    mgr.add_sequence(request)
+    live.append(request)
+    digest.update(repr(mgr.get_cache_block_ids(rid)).encode())
+    digest.update(encode_events(mgr.take_events()))
+stats = mgr.get_kv_cache_stats()
+print(json.dumps({"impl": cache.CACHE_IMPL, "digest": digest.hexdigest(),
+                  "reused": stats.reused_blocks, "free": mgr.get_num_free_blocks()}))
+"""
+
+
+def _run(pure: bool) -> dict[str, object]:
+    env = {k: v for k, v in os.environ.items() if k != _native.PURE_ENV}
+    if pure:
+        env[_native.PURE_ENV] = "1"
+    out = subprocess.run(
+        [sys.executable, "-c", _RUN], env=env, cwd=REPO, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    result: dict[str, object] = json.loads(out.stdout)
+    return result
+
+
+@pytest.mark.timeout(300)
+def test_the_compiled_build_and_the_sources_give_the_same_run() -> None:
+    default, pure = _run(pure=False), _run(pure=True)
+    # The default is the build whenever it matches the sources (make test builds it first).
+    assert default["impl"] == ("mypyc" if _native.built() else "python")
+    assert pure["impl"] == "python"
+    assert default == {**pure, "impl": default["impl"]}
+    # Nothing is evicted (60 x 256 blocks < 16,384): request i reuses its 128 prefix blocks
+    # when a request removed before it (one of 0 .. i - 9; blocks are stored on removal) had
+    # the same prefix.
+    prompts = make_prompts(60)
+    prefixes = [tuple(p[:PREFIX_TOKENS]) for p in prompts]
+    expected = sum(
+        PREFIX_TOKENS // TOKENS_PER_BLOCK
+        for i, prefix in enumerate(prefixes)
+        if prefix in prefixes[: max(0, i - 8)]
+    )
+    assert pure["reused"] == expected > 0
