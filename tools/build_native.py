@@ -14,7 +14,6 @@ from __future__ import annotations
 import importlib.machinery
 import importlib.util
 import os
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -80,8 +79,6 @@ def main(argv: list[str]) -> int:
         _remove_build(native)
         print(f"kvmesh: the mypyc build failed ({exc!r}); cache/ runs as pure Python")
         return 0
-    finally:
-        shutil.rmtree(ROOT / "build" / "lib", ignore_errors=True)
     (PACKAGE_DIR / native.DIGEST_FILE).write_text(digest + "\n")
     state = "compiled" if native.built() else "incomplete, so cache/ runs as pure Python"
     print(f"kvmesh: mypyc build {state} in {time.monotonic() - started:.0f} s")
