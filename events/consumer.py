@@ -430,13 +430,13 @@ class EventConsumer:
                 block=self.block_ms,
             )
             return reply
-        replies = await asyncio.gather(
-            *(
-                self._redis.xread({key: pos}, count=self.count, block=min(self.block_ms, 20))
-                for key, pos in streams.items()
-            )
-        )
+        replies = await asyncio.gather(*(self._read_one(key, pos) for key, pos in streams.items()))
         return [item for answer in replies if answer for item in answer]
+
+    async def _read_one(self, key: bytes, pos: bytes | str) -> Any:
+        # The command is made inside the task, not before it: a task cancelled before it starts
+        # (the consumer closing) would otherwise leave redis-py's coroutine never awaited.
+        return await self._redis.xread({key: pos}, count=self.count, block=min(self.block_ms, 20))
 
     def _apply_for(
         self, state: WorkerState, entries: list[tuple[bytes, dict[bytes, bytes]]], start: int

@@ -8,8 +8,10 @@ manager's reuse tree.
 from __future__ import annotations
 
 import asyncio
+import gc
 from typing import Any
 
+import pytest
 import redis.asyncio as aioredis
 
 from app.redis_server import EmbeddedRedis
@@ -300,3 +302,25 @@ async def test_the_consumer_gives_the_event_loop_back_between_entries(
             assert index_blocks(consumer.index, "w0") == workload.blocks()
         finally:
             await consumer.aclose()
+
+
+async def test_a_per_stream_read_cancelled_before_it_starts_leaves_no_command_unawaited(
+    clean_redis_url: str,
+) -> None:
+    """On a Redis Cluster the consumer reads each stream with its own XREAD, gathered. Cancelled
+    before those reads start (the consumer closing), no redis-py command coroutine may be left
+    never awaited (redis-py 8 wraps XREAD's in a second coroutine that would never await it; the
+    warnings are errors here, and once failed the cluster test at random)."""
+    consumer = make_consumer(clean_redis_url)
+    consumer._cluster = True  # the per-stream path; a single node answers it the same
+    streams: dict[bytes, bytes | str] = {keys.events_key(f"w{i}").encode(): b"0" for i in range(6)}
+    try:
+        read = asyncio.create_task(consumer._read(streams))
+        await asyncio.sleep(0)  # the read has made its per-stream tasks, none has run yet
+        read.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await read
+        gc.collect()  # an unawaited coroutine warns when it is collected
+        assert await consumer._read(streams) == []  # the path itself works
+    finally:
+        await consumer.aclose()
