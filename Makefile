@@ -70,7 +70,7 @@ test: lint typecheck native pytest
 # minutes), before and after changes to cache/'s hot paths. KVMESH_HYPOTHESIS_EXAMPLES=N sets
 # the number of runs; a failure prints the seed and the blob to reproduce it.
 .PHONY: test-long
-test-long: $(STAMP)
+test-long: native
 	KVMESH_HYPOTHESIS=long $(BIN)/pytest --timeout=0 tests/cache/test_state_machine.py
 
 clean:
