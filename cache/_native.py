@@ -30,11 +30,10 @@ from pathlib import Path
 from types import ModuleType
 
 PACKAGE = "cache"
-# The hot paths of an allocation and a release, and what they read (block.py's KVCacheBlock is a
-# native class for them all). Left out: manager.py, since tests replace methods of its instances;
-# request.py, whose key building sets attributes of BlockKey (a Python class), which compiled
-# code does through the slower generic path (measured: the keys took longer compiled).
-MODULES = ("block", "eviction", "radix", "dryrun", "window")
+# The hot paths of an allocation and a release, and what they read: KVCacheBlock (block.py) and
+# BlockKey (key.py) are native classes for them all. manager.py is left out: tests replace
+# methods of its instances.
+MODULES = ("key", "block", "eviction", "radix", "dryrun", "request", "window")
 SHARED_LIB = "native__mypyc"
 DIGEST_FILE = "native.digest"
 PURE_ENV = "KVMESH_PURE"

@@ -27,6 +27,7 @@ from cache.hashing import (
     hash_token_blocks,
     multimodal_arrays,
 )
+from cache.key import COMPILED as _NATIVE_KEYS
 from cache.retention import DEFAULT_RETENTION, RetentionConfig, TransferMode
 
 INT_MAX = 2**31 - 1
@@ -297,6 +298,14 @@ class LlmRequest:
             )
             if full_stop < stop:
                 chunks.append(tuple(tokens[full_stop:stop]))
+            if _NATIVE_KEYS:  # compiled: the constructor is a C call, and keys compare in C
+                made = [BlockKey(chunk, None, False, lora, (), salt) for chunk in chunks]
+                if lent:
+                    for i, block in enumerate(lent[: len(made)]):
+                        if block is not None and block.key == made[i]:
+                            made[i] = block.key
+                out.extend(made)
+                return out
             append = out.append
             new = object.__new__
             if lent:
