@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 
 from cache import capacity
 from cache.block import KVCacheBlock
+from cache.dryrun import count_blocks_needed
 from cache.errors import DuplicateRequestError, OutOfBlocksError, UnknownRequestError
 from cache.events import EventSink, KVCacheEvent, KVCacheEventManager, NullEventSink
 from cache.hashing import BlockHash, BlockKey
@@ -412,8 +413,15 @@ class KVCacheManager:
         for plan in plans:
             wm = plan.window
             share_last = encoder or plan.input_length % self.tokens_per_block == 0
-            need, matched = wm.count_blocks_needed(
-                plan.keys, plan.hashes, sequence, plan.num_context_blocks, cap, reuse, share_last
+            need, matched = count_blocks_needed(
+                wm,
+                plan.keys,
+                plan.hashes,
+                sequence,
+                plan.num_context_blocks,
+                cap,
+                reuse,
+                share_last,
             )
             free = wm.get_num_free_blocks()
             if need > free:

@@ -298,49 +298,25 @@ class LlmRequest:
             )
             if full_stop < stop:
                 chunks.append(tuple(tokens[full_stop:stop]))
-            if _NATIVE_KEYS:  # compiled: the constructor is a C call, and keys compare in C
+            if _NATIVE_KEYS:  # compiled: the constructor is a C call
                 made = [BlockKey(chunk, None, False, lora, (), salt) for chunk in chunks]
-                if lent:
-                    for i, block in enumerate(lent[: len(made)]):
-                        if block is not None and block.key == made[i]:
-                            made[i] = block.key
-                out.extend(made)
-                return out
-            append = out.append
-            new = object.__new__
-            if lent:
-                consumed = min(len(chunks), len(lent))
-                for chunk, block in zip(chunks, lent, strict=False):
-                    if block is not None:
-                        key = block.key  # BlockKey.__eq__ against this request's key, unrolled
-                        if (
-                            key.tokens == chunk
-                            and key.extra_ids is None
-                            and not key.uses_extra_ids
-                            and key.lora_task_id == lora
-                            and not key.extra_keys
-                            and key.cache_salt_id == salt
-                        ):
-                            append(key)
-                            continue
-                    key = new(BlockKey)  # BlockKey._make(chunk, None, False, lora, (), salt)
+            else:  # pure: BlockKey._make(chunk, None, False, lora, (), salt), inlined
+                made = []
+                new = object.__new__
+                for chunk in chunks:
+                    key = new(BlockKey)
                     key.tokens = chunk
                     key.extra_ids = None
                     key.uses_extra_ids = False
                     key.lora_task_id = lora
                     key.extra_keys = ()
                     key.cache_salt_id = salt
-                    append(key)
-                chunks = chunks[consumed:]
-            for chunk in chunks:
-                key = new(BlockKey)  # BlockKey._make(chunk, None, False, lora, (), salt), inlined
-                key.tokens = chunk
-                key.extra_ids = None
-                key.uses_extra_ids = False
-                key.lora_task_id = lora
-                key.extra_keys = ()
-                key.cache_salt_id = salt
-                append(key)
+                    made.append(key)
+            if lent:  # lent blocks past the leading run (rare): compared one at a time
+                for i, block in enumerate(lent[: len(made)]):
+                    if block is not None and block.key == made[i]:
+                        made[i] = block.key
+            out.extend(made)
             return out
         uses_extra = extra is not None
         keys = []

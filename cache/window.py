@@ -5,7 +5,8 @@ by id), the eviction policy (`cache.eviction`), the reuse tree (`cache.radix`) a
 each live sequence, and writes its events into an `EventSink` (a do-nothing one when events
 are off).
 
-Where the seed throws half way through an allocation, `count_blocks_needed` is asked first:
+Where the seed throws half way through an allocation, the manager asks first
+(`cache.dryrun.count_blocks_needed`):
 the dry run in `cache.dryrun`, which walks the tree with the allocation's own walk
 (`ReuseTree.match`) and counts exactly the free primary blocks the allocation will take.
 """
@@ -17,7 +18,6 @@ from operator import attrgetter
 from typing import NamedTuple
 
 from cache.block import KVCacheBlock
-from cache.dryrun import BlockCount, count_blocks_needed
 from cache.errors import OutOfBlocksError, PinConflictError, UnknownBlockError
 from cache.events import EventDiff, EventSink, UpdatedData
 from cache.eviction import PRIMARY_LEVEL, SECONDARY_LEVEL, LRUEvictionPolicy
@@ -329,22 +329,6 @@ class WindowBlockManager:
             keys.append(empty)
             hashes.append(BlockHash(block_key_hash(empty, hashes[-1] if hashes else 0)))
         return ContextKeys(keys, hashes)
-
-    def count_blocks_needed(
-        self,
-        keys: Sequence[BlockKey],
-        hashes: Sequence[BlockHash],
-        sequence: GenerationRequest,
-        num_context_blocks: int,
-        cap: int,
-        reuse: bool,
-        share_last: bool,
-    ) -> BlockCount:
-        """Exactly the free primary blocks add_sequence will take from this window, and the
-        tokens it will reuse when the sequence may reuse at most `cap` tokens (`cache.dryrun`)."""
-        return count_blocks_needed(
-            self, keys, hashes, sequence, num_context_blocks, cap, reuse, share_last
-        )
 
     def add_sequence(
         self,

@@ -90,6 +90,15 @@ def _find(rows, h, shift, mask):  # type: ignore[no-untyped-def]
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
+def _held(rows, i):  # type: ignore[no-untyped-def]
+    """Whether any worker still holds row `i` (a worker bit in any word's low half)."""
+    for c in range(BITS, rows.shape[1]):  # noqa: SIM110 (numba compiles no generators)
+        if rows[i, c] & _LOW:
+            return True
+    return False
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
 def _shift_of(meta):  # type: ignore[no-untyped-def]
     return _U64 - np.uint64(meta[LOG2])
 
@@ -227,12 +236,7 @@ def _remove(rows, meta, counts, hashes, slot):  # type: ignore[no-untyped-def]
         if rows[i, col] & host:
             counts[slot, 1] -= 1
         rows[i, col] &= ~(bit | host)
-        held = False
-        for c in range(BITS, rows.shape[1]):
-            if rows[i, c] & _LOW:
-                held = True
-                break
-        if not held:
+        if not _held(rows, i):
             _delete(rows, meta, i)
     return unknown
 
@@ -267,12 +271,7 @@ def _clear(rows, counts, slot):  # type: ignore[no-untyped-def]
         if rows[i, SEQ] == _U0:
             continue
         rows[i, col] &= keep
-        held = False
-        for c in range(BITS, rows.shape[1]):
-            if rows[i, c] & _LOW:
-                held = True
-                break
-        if not held:
+        if not _held(rows, i):
             rows[i, SEQ] = _U0
             emptied += 1
     counts[slot, 0] = 0
