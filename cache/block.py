@@ -31,6 +31,7 @@ class KVCacheBlock:
         "key",
         "memory_index",
         "next_blocks",
+        "owner",
         "prev_block",
         "prev_block_in_seq",
         "priority",
@@ -61,6 +62,9 @@ class KVCacheBlock:
         self.prev_block: KVCacheBlock | None = None
         self.prev_block_in_seq: KVCacheBlock | None = None
         self.next_blocks: dict[int, KVCacheBlock] = {}
+        # The request id of the sequence that last took this block (the seed's
+        # mBlockToSequence), None before any has.
+        self.owner: int | None = None
         # Free-queue membership: q_level is -1 while the block is not queued.
         self.q_prev: KVCacheBlock | None = None
         self.q_next: KVCacheBlock | None = None

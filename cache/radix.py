@@ -5,11 +5,10 @@ of their key chained onto the parent's), and a hit is confirmed by comparing key
 collision is a miss, as the seed's map keyed by BlockKey would have it.
 
 A chained hash names a whole prefix, so the tree also keeps one flat map from chained hash to
-block (vLLM's BlockHashToBlockMap). Matching a request looks all its hashes up in that map at
-once and then only *confirms* the chain (parents, fullness, keys) with whole-list comparisons;
-the per-node children are walked one block at a time only where the confirmation fails or a
-partial match is possible. `match` is the one walk: the dry run of an allocation, the allocation
-itself and the lookups all use it.
+block (vLLM's BlockHashToBlockMap). Matching a request looks its hashes up in that map in turn
+and only *confirms* each block (its parent, fullness and key); the per-node children are walked
+one block at a time only where the confirmation fails or a partial match is possible. `match`
+is the one walk: the dry run of an allocation, the allocation itself and the lookups all use it.
 
 Invariants: a block is in the tree iff `prev_block` is not None (the root's children have the
 root as parent); `parent.next_blocks[block.hash] is block` for every reachable block; `by_hash`
@@ -19,16 +18,11 @@ maps a hash to a reachable block with that hash (the first stored, where hashes 
 from __future__ import annotations
 
 from collections.abc import Callable, Container, Sequence
-from operator import attrgetter
 from typing import NamedTuple
 
 from cache.block import ROOT_BLOCK_ID, KVCacheBlock
 from cache.hashing import BlockHash, BlockKey
 
-_prev_block = attrgetter("prev_block")
-_is_full = attrgetter("is_full")
-_key = attrgetter("key")
-_key_tokens = attrgetter("key.tokens")
 NO_CAP = 2**62
 
 
@@ -146,32 +140,28 @@ class ReuseTree:
         # A full match holds tokens_per_block tokens, so the cap bounds the full matches.
         limit = stop if exact else min(stop, start + max(0, cap) // tpb)
         blocks: list[KVCacheBlock] = []
+        short = 0  # tokens the matched blocks that are not full lack
         if limit > start and parent.next_blocks:
-            found = list(map(self.by_hash.get, hashes[start:limit]))
-            if None in found:
-                del found[found.index(None) :]
-            if found and not exact:
-                fullness = list(map(_is_full, found))
-                if False in fullness:  # a block that is not full is at best a partial match
-                    del found[fullness.index(False) :]
-            if found:
-                expected = keys[start : start + len(found)]
-                if not isinstance(expected, list):
-                    expected = list(expected)
-                first = found[0]
-                assert first is not None
-                # found has no None left: confirm the chain and the keys in C loops (a key the
-                # request shares with the tree compares by identity, others by BlockKey.__eq__).
-                chain: list[KVCacheBlock] = found  # type: ignore[assignment]
-                if (
-                    first.prev_block is parent
-                    and list(map(_prev_block, chain[1:])) == chain[:-1]
-                    and list(map(_key, chain)) == expected
-                ):
-                    blocks = chain
-        num_tokens = len(blocks) * tpb
-        if exact and blocks:  # blocks that are not full match here too
-            num_tokens = sum(map(len, map(_key_tokens, blocks)))
+            # The flat map names each candidate; the chain (parents), fullness and key confirm
+            # it. Stops at the first miss: past it the chain cannot go on.
+            by_hash = self.by_hash
+            prev = parent
+            for i in range(start, limit):
+                block = by_hash.get(hashes[i])
+                if block is None or block.prev_block is not prev:
+                    break
+                full = block.is_full
+                if not (full or exact):  # not full: at best a partial match
+                    break
+                key = block.key
+                # A key the request shares with the tree compares by identity.
+                if key is not keys[i] and key != keys[i]:
+                    break
+                if not full:  # (exact) blocks that are not full match here too
+                    short += tpb - len(key.tokens)
+                blocks.append(block)
+                prev = block
+        num_tokens = len(blocks) * tpb - short
         pos = start + len(blocks)
         if blocks:
             parent = blocks[-1]

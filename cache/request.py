@@ -11,8 +11,9 @@ from __future__ import annotations
 import warnings
 from collections.abc import Mapping, Sequence
 from enum import Enum
-from itertools import chain
-from operator import attrgetter
+from functools import partial
+from itertools import chain, takewhile
+from operator import attrgetter, is_not
 from typing import Any, Protocol, cast
 
 import numpy as np
@@ -32,6 +33,7 @@ from cache.retention import DEFAULT_RETENTION, RetentionConfig, TransferMode
 
 INT_MAX = 2**31 - 1
 _key = attrgetter("key")
+_is_block = partial(is_not, None)
 _tokens = attrgetter("tokens")
 # Everything of a key but its tokens; a plain key of a request is (None, False, lora, (), salt).
 _namespace = attrgetter(
@@ -204,7 +206,9 @@ class LlmRequest:
                 hashes = self.block_hashes(
                     tokens_per_block, num_full * tokens_per_block, False, encoder
                 )
-                lent = list(map(known.get, hashes[start:num_full]))
+                # Up to the first block the tree lacks: past it the tree holds none of this
+                # request's chain (the match stops there too).
+                lent = list(takewhile(_is_block, map(known.get, hashes[start:num_full])))
             cache.extend(
                 self._make_keys(
                     start * tokens_per_block,

@@ -29,7 +29,6 @@ from cache.transfer import Slot, TransferEngine
 
 Retention = tuple[int | None, float | None]
 
-_block_id = attrgetter("block_id")
 _key = attrgetter("key")
 
 
@@ -94,7 +93,6 @@ class WindowBlockManager:
             clock,  # type: ignore[arg-type]
         )
         self.allocated_blocks_per_seq: dict[int, list[KVCacheBlock]] = {}
-        self.block_to_sequence: dict[int, int] = {}
         self.pins: dict[int, int] = {}  # block id -> pins not yet undone
         self.valid_store_for_reuse: dict[int, bool] = {}
         self.scheduling_num_free_blocks = 0
@@ -181,10 +179,10 @@ class WindowBlockManager:
     def _take_from_owner(self, block: KVCacheBlock, request_id: int) -> None:
         # A block taken from under a live sequence (rewound or out of window) makes that
         # sequence's store-for-reuse invalid.
-        owner = self.block_to_sequence.get(block.block_id)
+        owner = block.owner
         if owner is not None and owner != request_id and owner in self.valid_store_for_reuse:
             self.valid_store_for_reuse[owner] = False
-        self.block_to_sequence[block.block_id] = request_id
+        block.owner = request_id
 
     def _get_free_blocks(
         self, sequence: GenerationRequest, retentions: Sequence[Retention]
@@ -200,7 +198,6 @@ class WindowBlockManager:
         removed: list[int] = []
         window = self.window_size
         rid = sequence.request_id
-        owners = self.block_to_sequence
         valid = self.valid_store_for_reuse
         num_new = 0
         out: list[KVCacheBlock] = []
@@ -232,14 +229,11 @@ class WindowBlockManager:
             block.expiry_token += 1
             block.priority = DEFAULT_PRIORITY if priority is None else priority
             block.duration_s = duration
-            out.append(block)
-        # _take_from_owner for each block, in two C-level passes (the ids are distinct, and
-        # marking an owner invalid changes no other block's check).
-        ids = list(map(_block_id, out))
-        for owner in set(map(owners.get, ids)):
+            owner = block.owner  # _take_from_owner, inlined
             if owner is not None and owner != rid and owner in valid:
                 valid[owner] = False
-        owners.update(dict.fromkeys(ids, rid))
+            block.owner = rid
+            out.append(block)
         self.events.enqueue_removed_many(removed, window)
         self.alloc_new_blocks += num_new
         self.alloc_total_blocks += len(victims)
