@@ -12,7 +12,11 @@ carries three sets of links:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from operator import attrgetter
+
 from cache.hashing import BlockHash, BlockKey
+from cache.key import COMPILED  # the build is all or nothing: this module too, then
 from cache.retention import DEFAULT_PRIORITY
 
 ROOT_BLOCK_ID = -1
@@ -118,3 +122,61 @@ class KVCacheBlock:
             f"KVCacheBlock(id={self.block_id}, ref={self.ref_count}, "
             f"{'P' if self.is_primary else 'S'}{self.memory_index}, tokens={len(self.key.tokens)})"
         )
+
+
+# A stored block's fields in the order of cache.events.StoredBlock (and of the wire), as one tuple.
+StoredBlockRow = tuple[
+    int,
+    tuple[int, ...],
+    tuple[int, ...] | None,
+    int,
+    int,
+    tuple[tuple[bytes | str, int], ...],
+    str | None,
+    int | None,
+]
+
+_hash = attrgetter("hash")
+_tokens = attrgetter("key.tokens")
+_extra_ids = attrgetter("key.extra_ids")
+_is_primary = attrgetter("is_primary")
+_priority = attrgetter("priority")
+_extra_keys = attrgetter("key.extra_keys")
+_cache_salt = attrgetter("cache_salt")
+_lora_task_id = attrgetter("key.lora_task_id")
+_CACHE_LEVEL = {True: 0, False: 1}  # is_primary -> the cache level events report
+
+
+def stored_rows(blocks: Sequence[KVCacheBlock]) -> list[StoredBlockRow]:
+    """The rows of a Stored event for `blocks` (here, so that it is compiled with the block)."""
+    if COMPILED:  # native attribute reads in a C loop
+        rows: list[StoredBlockRow] = []
+        for block in blocks:
+            key = block.key
+            rows.append(
+                (
+                    block.hash,
+                    key.tokens,
+                    key.extra_ids,
+                    0 if block.is_primary else 1,
+                    block.priority,
+                    key.extra_keys,
+                    block.cache_salt,
+                    key.lora_task_id,
+                )
+            )
+        return rows
+    # Pure Python: one column per field, each read in a C loop, zipped into rows.
+    return list(
+        zip(
+            map(_hash, blocks),
+            map(_tokens, blocks),
+            map(_extra_ids, blocks),
+            map(_CACHE_LEVEL.__getitem__, map(_is_primary, blocks)),
+            map(_priority, blocks),
+            map(_extra_keys, blocks),
+            map(_cache_salt, blocks),
+            map(_lora_task_id, blocks),
+            strict=True,
+        )
+    )

@@ -22,17 +22,7 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Any, Literal, Protocol
 
-from cache.block import KVCacheBlock
-
-_hash = attrgetter("hash")
-_tokens = attrgetter("key.tokens")
-_extra_ids = attrgetter("key.extra_ids")
-_is_primary = attrgetter("is_primary")
-_priority = attrgetter("priority")
-_extra_keys = attrgetter("key.extra_keys")
-_cache_salt = attrgetter("cache_salt")
-_lora_task_id = attrgetter("key.lora_task_id")
-_CACHE_LEVEL = {True: 0, False: 1}  # is_primary -> the cache level events report
+from cache.block import KVCacheBlock, StoredBlockRow, stored_rows
 
 
 @dataclass(slots=True)
@@ -103,18 +93,6 @@ class StoredBlock:
             lora_id=d.get("lora_id"),
         )
 
-
-# A stored block's fields in StoredBlock's (and the wire's) order, as one tuple.
-StoredBlockRow = tuple[
-    int,
-    tuple[int, ...],
-    tuple[int, ...] | None,
-    int,
-    int,
-    tuple[tuple[bytes | str, int], ...],
-    str | None,
-    int | None,
-]
 
 _block_row = attrgetter(
     "block_hash",
@@ -386,21 +364,7 @@ class KVCacheEventManager:
         parent_hash = (
             None if first_parent is None or first_parent.block_id < 0 else first_parent.hash
         )
-        # One column per field, each read in a C loop, zipped into rows (no object per block).
-        rows: list[StoredBlockRow] = list(
-            zip(
-                map(_hash, blocks),
-                map(_tokens, blocks),
-                map(_extra_ids, blocks),
-                map(_CACHE_LEVEL.__getitem__, map(_is_primary, blocks)),
-                map(_priority, blocks),
-                map(_extra_keys, blocks),
-                map(_cache_salt, blocks),
-                map(_lora_task_id, blocks),
-                strict=True,
-            )
-        )
-        self._enqueue(StoredData.from_rows(parent_hash, rows), window_size)
+        self._enqueue(StoredData.from_rows(parent_hash, stored_rows(blocks)), window_size)
 
     def enqueue_removed(self, block_hash: int, window_size: int) -> None:
         if self._iteration:

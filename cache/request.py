@@ -57,6 +57,42 @@ def chop_vector_into_blocks(
     ]
 
 
+def _plain_keys_hold(
+    keys: list[BlockKey],
+    tokens: list[int],
+    start: int,
+    stop: int,
+    lora: int | None,
+    salt: int | None,
+) -> bool:
+    """Whether `keys` are plain keys of a request with this LoRA id and salt (no extra ids,
+    no multimodal keys) holding, one after the other, exactly tokens[start:stop].
+
+    Keys hold at most tokens_per_block tokens each, so with stop - start equal to
+    len(keys) * tokens_per_block, equal concatenations mean equal blocks.
+    """
+    if _NATIVE_KEYS:  # compiled: native field reads, no object made
+        pos = start
+        for key in keys:
+            if (
+                key.lora_task_id != lora
+                or key.cache_salt_id != salt
+                or key.extra_ids is not None
+                or key.uses_extra_ids
+                or key.extra_keys
+            ):
+                return False
+            for token in key.tokens:
+                if pos >= stop or token != tokens[pos]:
+                    return False
+                pos += 1
+        return pos == stop
+    # Pure Python: C passes, with no tuple made per key.
+    return list(chain.from_iterable(map(_tokens, keys))) == tokens[start:stop] and set(
+        map(_namespace, keys)
+    ) == {(None, False, lora, (), salt)}
+
+
 class RequestState(Enum):
     CONTEXT_INIT = "context_init"
     DISAGG_GENERATION_INIT = "disagg_generation_init"
@@ -201,14 +237,15 @@ class LlmRequest:
             self._trim_caches()  # the token list was shortened behind our back
         if len(cache) < num_full:
             start = len(cache)
-            lent = None
+            lent: list[_HasKey] = []
             if known:
                 hashes = self.block_hashes(
                     tokens_per_block, num_full * tokens_per_block, False, encoder
                 )
                 # Up to the first block the tree lacks: past it the tree holds none of this
                 # request's chain (the match stops there too).
-                lent = list(takewhile(_is_block, map(known.get, hashes[start:num_full])))
+                found = takewhile(_is_block, map(known.get, hashes[start:num_full]))
+                lent = cast(list[_HasKey], list(found))
             cache.extend(
                 self._make_keys(
                     start * tokens_per_block,
@@ -265,12 +302,12 @@ class LlmRequest:
         stop: int,
         tokens_per_block: int,
         encoder: bool,
-        lent: Sequence[_HasKey | None] | None = None,
+        lent: Sequence[_HasKey] = (),
     ) -> list[BlockKey]:
         """Keys of the blocks of tokens [start, stop); `start` lies on a block boundary.
 
-        `lent[i]`, where given, is a block whose key is used for block i if it is equal (the
-        same tokens in the same namespace) instead of a new one."""
+        `lent[i]` is a block whose key is used for block i if it is equal (the same tokens in
+        the same namespace) instead of a new one."""
         tokens, extra = self._source(encoder)
         make = BlockKey._make
         lora, salt = self.lora_task_id, self.cache_salt_id
@@ -278,20 +315,13 @@ class LlmRequest:
         if extra is None and not self.multimodal:
             out: list[BlockKey] = []
             if lent:
-                # The leading run of lent blocks (the shared prefix, usually) checked in C
-                # passes, with no tuple made per block: the same tokens (keys hold at most
-                # tokens_per_block each, so equal concatenations mean equal blocks), and the
-                # namespace of a plain key of this request.
-                run = min(
-                    lent.index(None) if None in lent else len(lent),
-                    (stop - start) // tokens_per_block,
-                )
+                # The leading run of lent blocks (the shared prefix, usually) checked at once,
+                # with no tuple made per block.
+                run = min(len(lent), (stop - start) // tokens_per_block)
                 if run:
                     run_keys: list[BlockKey] = list(map(_key, lent[:run]))
                     run_stop = start + run * tokens_per_block
-                    if list(chain.from_iterable(map(_tokens, run_keys))) == tokens[
-                        start:run_stop
-                    ] and set(map(_namespace, run_keys)) == {(None, False, lora, (), salt)}:
+                    if _plain_keys_hold(run_keys, tokens, start, run_stop, lora, salt):
                         out = run_keys
                         lent = lent[run:]
                         start = run_stop
@@ -316,9 +346,9 @@ class LlmRequest:
                     key.extra_keys = ()
                     key.cache_salt_id = salt
                     made.append(key)
-            if lent:  # lent blocks past the leading run (rare): compared one at a time
+            if lent:  # the run did not hold (rare): compared one at a time
                 for i, block in enumerate(lent[: len(made)]):
-                    if block is not None and block.key == made[i]:
+                    if block.key == made[i]:
                         made[i] = block.key
             out.extend(made)
             return out

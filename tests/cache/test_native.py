@@ -132,3 +132,26 @@ def test_the_compiled_build_and_the_sources_give_the_same_run() -> None:
     assert default == {**pure, "impl": default["impl"]}
     # the run took every path: stored, evicted (removed), offloaded and onboarded (updated)
     assert pure["kinds"].keys() == {"created", "stored", "removed", "updated"}
+
+
+def test_the_lending_cases_hold_on_the_sources_too() -> None:
+    """Where the build and the sources take their own paths (cache/request.py's keys lent by
+    the tree), the sources are held to the same cases (the suite itself runs the build)."""
+    env = {**os.environ, _native.PURE_ENV: "1"}
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "tests/cache/test_lending.py",
+        ],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "4 passed" in out.stdout
