@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from operator import attrgetter
 
 from cache.hashing import BlockHash, BlockKey
-from cache.key import COMPILED  # the build is all or nothing: this module too, then
+from cache.key import COMPILED  # stands for this module too: the build is all or nothing
 from cache.retention import DEFAULT_PRIORITY
 
 ROOT_BLOCK_ID = -1
