@@ -93,6 +93,17 @@ def _plain_keys_hold(
     ) == {(None, False, lora, (), salt)}
 
 
+def _python_ints(values: list[Any]) -> list[int]:
+    """`values`, or its items as Python ints where some are not (numpy's integers, say): the
+    compiled modules read tokens as native ints, and would refuse them."""
+    if not _NATIVE_KEYS:  # Python compares and hashes numpy's integers as it does its own
+        return values
+    for value in values:
+        if not isinstance(value, int):
+            return [int(v) for v in values]
+    return values
+
+
 class RequestState(Enum):
     CONTEXT_INIT = "context_init"
     DISAGG_GENERATION_INIT = "disagg_generation_init"
@@ -125,14 +136,16 @@ class LlmRequest:
         self.request_id = request_id
         # A copy: generated tokens are appended here, never to the caller's prompt list.
         self.tokens: list[int] = (
-            list(tokens) if isinstance(tokens, list) else [int(t) for t in tokens]
+            _python_ints(list(tokens)) if isinstance(tokens, list) else [int(t) for t in tokens]
         )
         if extra_ids is not None and len(extra_ids) != len(self.tokens):
             raise ValueError(
                 f"request {request_id}: extra_ids has {len(extra_ids)} entries "
                 f"for {len(self.tokens)} tokens"
             )
-        self.extra_ids: list[int] | None = list(extra_ids) if extra_ids is not None else None
+        self.extra_ids: list[int] | None = (
+            _python_ints(list(extra_ids)) if extra_ids is not None else None
+        )
         self.prompt_len = len(self.tokens)
         self.max_new_tokens = max_new_tokens
         self.beam_width = beam_width
@@ -144,7 +157,7 @@ class LlmRequest:
         self.state = state
         self.num_draft_tokens = num_draft_tokens
         self.encoder_tokens: list[int] | None = (
-            list(encoder_tokens) if encoder_tokens is not None else None
+            _python_ints(list(encoder_tokens)) if encoder_tokens is not None else None
         )
         self.is_dummy = is_dummy
         self.is_first_context_chunk = True

@@ -7,10 +7,14 @@ tests/cache/test_native.py runs this file on the sources too, so both builds are
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
 
 from cache import LlmRequest
 from cache.block import KVCacheBlock
 from cache.hashing import BlockKey
+from tests.cache.factories import ids, make_manager
 
 TPB = 4
 TOKENS = list(range(12))  # three full blocks: 0-3, 4-7, 8-11
@@ -78,3 +82,28 @@ def test_keys_of_another_namespace_are_not_lent() -> None:
     salted = [BlockKey(key.tokens, cache_salt_id=9) for key in EXPECTED]
     keys, lent = lend(LlmRequest(2, TOKENS, cache_salt_id=9), salted)
     assert (keys, lent) == (salted, [True, True, True])
+
+
+def test_numpy_integers_as_tokens_are_matched_like_python_ints() -> None:
+    """A token list of numpy integers (outside `Sequence[int]`, but easy to pass) is reused,
+    lent and partially matched as the same ints would be."""
+    mgr = make_manager(16)
+    as_numpy: list[Any] = list(np.arange(20, dtype=np.int64))  # not Sequence[int]
+    first = LlmRequest(0, as_numpy)
+    assert mgr.add_sequence(first) == 0
+    stored = ids(mgr, 0)
+    mgr.remove_sequence(0, first)
+    # 19 tokens are matched: four full blocks and the partial tail (16, 17, 18)
+    again = LlmRequest(1, as_numpy)
+    assert mgr.add_sequence(again) == 19
+    assert ids(mgr, 1) == stored
+    mgr.remove_sequence(1, again)
+    python = LlmRequest(2, list(range(20)))
+    assert mgr.add_sequence(python) == 19
+    assert ids(mgr, 2) == stored
+    mgr.remove_sequence(2, python)
+    # (4, 5) of the stored block (4, 5, 6, 7), which has a child: copied into a new block
+    mixed: list[Any] = [*np.arange(6, dtype=np.int64), 9, 9, 9]
+    partial = LlmRequest(3, mixed)
+    assert mgr.add_sequence(partial) == 6
+    assert ids(mgr, 3)[0] == stored[0] and ids(mgr, 3)[1] not in stored

@@ -154,4 +154,4 @@ def test_the_lending_cases_hold_on_the_sources_too() -> None:
         text=True,
     )
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "4 passed" in out.stdout
+    assert "5 passed" in out.stdout
