@@ -255,8 +255,9 @@ class LlmRequest:
                 hashes = self.block_hashes(
                     tokens_per_block, num_full * tokens_per_block, False, encoder
                 )
-                # Up to the first block the tree lacks: past it no block of the tree goes on
-                # with this request's chain from the root (the match stops there too).
+                # Up to the first hash the flat map lacks, where the match's flat walk stops
+                # too; a block past it (found, if at all, by the per-node walk) is compared by
+                # value.
                 found = takewhile(_is_block, map(known.get, hashes[start:num_full]))
                 lent = cast(list[_HasKey], list(found))
             cache.extend(
