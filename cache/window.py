@@ -198,7 +198,6 @@ class WindowBlockManager:
         removed: list[int] = []
         window = self.window_size
         rid = sequence.request_id
-        valid = self.valid_store_for_reuse
         num_new = 0
         out: list[KVCacheBlock] = []
         for block, (priority, duration) in zip(victims, retentions, strict=True):
@@ -229,10 +228,7 @@ class WindowBlockManager:
             block.expiry_token += 1
             block.priority = DEFAULT_PRIORITY if priority is None else priority
             block.duration_s = duration
-            owner = block.owner  # _take_from_owner, inlined
-            if owner is not None and owner != rid and owner in valid:
-                valid[owner] = False
-            block.owner = rid
+            self._take_from_owner(block, rid)
             out.append(block)
         self.events.enqueue_removed_many(removed, window)
         self.alloc_new_blocks += num_new
