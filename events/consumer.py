@@ -6,7 +6,9 @@ One task does everything, in a loop, so the index has a single writer:
    workers, forget unregistered ones; check Redis's ``run_id`` (a changed id is a restart
    that lost every stream: resynchronise every worker);
 2. every ``liveness_interval_s``: read each worker's heartbeat key; a worker whose heartbeat
-   expired leaves the index (``remove_worker``) until it beats again. The heartbeat says
+   expired leaves the index (``remove_worker``) until it beats again (``check_liveness_soon``
+   asks for this check at the next round, e.g. when a router sees a heartbeat gone). The
+   heartbeat says
    ``"<epoch> <last event id>"``: a worker whose reported id the consumer has not applied
    within ``stale_after_s`` (2 s) is marked ``WorkerState.stale = "behind_heartbeat"`` (logged
    once, cleared when it has), and if nothing at all was applied for it meanwhile (its stream
@@ -35,6 +37,14 @@ it started from and its position in the stream. For each entry, in stream order:
 * else apply its events with ids above ``last_seq``; an event the index refuses (a cache level
   it does not know) makes the entry malformed: skipped whole if nothing of it was applied yet,
   else the worker is resynchronised.
+
+A Redis restart without persistence loses the registry and every heartbeat too, not only the
+streams, and the workers write them again only at their next heartbeat (within a second). So a
+worker that the registry or its heartbeat stops naming is forgotten or expired only after
+``run_id`` is checked again, and a restart *holds* every followed worker for its heartbeat TTL
+(``WorkerState.held_until``; ``restart_hold_s`` when its entry does not say): kept alive and
+followed, not forgotten, until it beats again or the TTL is over (a worker that died with the
+server expires then). Routers keep routing to them meanwhile instead of finding no worker.
 
 A gap right after a resynchronisation, before anything was applied, means the snapshot is
 older than what the stream still holds (trimmed): the consumer asks the worker for a fresh one
@@ -182,6 +192,9 @@ class WorkerState:
     behind_target: tuple[int, int] | None = None
     behind_since: float = 0.0
     behind_from_seq: int = -1
+    # After a Redis restart (monotonic): until then the worker is kept, though the registry and
+    # its heartbeat do not name it, while it writes them again (0: not held).
+    held_until: float = 0.0
     # The entry that made the last resynchronisation, and the snapshot loaded before it.
     suspect: _Suspect | None = None
     loaded_snapshot: tuple[int, int, str] | None = None
@@ -211,6 +224,7 @@ class EventConsumer:
         pause_gc: bool = True,
         step_budget_s: float = 0.010,
         stale_after_s: float = 2.0,
+        restart_hold_s: float = 5.0,
     ) -> None:
         if block_ms <= 0 or count <= 0 or max_entry_bytes <= 0:
             raise ValueError("block_ms, count and max_entry_bytes must be positive")
@@ -230,6 +244,7 @@ class EventConsumer:
         self.pause_gc = pause_gc
         self.step_budget_s = step_budget_s
         self.stale_after_s = stale_after_s
+        self.restart_hold_s = restart_hold_s
 
         self._workers: dict[str, WorkerState] = {}
         self._by_key: dict[bytes, WorkerState] = {}
@@ -264,6 +279,7 @@ class EventConsumer:
         self.num_snapshot_requests = 0
         self.num_expired = 0
         self.num_redis_restarts = 0
+        self.num_held = 0  # workers held through a Redis restart (WorkerState.held_until)
         self.apply_lag_ms = 0.0
         self.num_bad_registry_entries = 0
         self._bad_registry: dict[bytes, bytes] = {}
@@ -308,6 +324,11 @@ class EventConsumer:
     def _check_server_next(self) -> None:
         self._check_server = True
 
+    def check_liveness_soon(self) -> None:
+        """Read the heartbeats at the next round instead of when due (a router that saw one
+        vanish asks for it: the consumer decides whether the worker expired or is held)."""
+        self._next_liveness_at = 0.0
+
     @property
     def num_errors(self) -> int:
         """Failed rounds (Redis errors and unexpected ones)."""
@@ -345,6 +366,8 @@ class EventConsumer:
             "expired": self.num_expired,
             "errors": self.num_errors,
             "redis_restarts": self.num_redis_restarts,
+            "held": self.num_held,
+            "held_workers": sum(s.held_until > time.monotonic() for s in self._workers.values()),
             "apply_lag_ms": round(self.apply_lag_ms, 3),
             "yields": self.num_yields,
             "bad_registry_entries": self.num_bad_registry_entries,
@@ -374,9 +397,9 @@ class EventConsumer:
     async def step(self) -> None:
         """One round: registry and liveness when due, resynchronisations, one XREAD."""
         now = time.monotonic()
-        # The run_id check comes first: after a restart it resynchronises the workers still
-        # followed, before a registry that is still empty makes the consumer forget them.
-        if self._check_server or now >= self._next_registry_at:
+        # The run_id check comes first: after a restart it resynchronises (and holds) the
+        # workers still followed, before a registry or heartbeats still missing expire them.
+        if self._check_server or now >= self._next_registry_at or now >= self._next_liveness_at:
             await self._check_run_id()
         if now >= self._next_registry_at:
             await self._refresh_registry()
@@ -472,12 +495,35 @@ class EventConsumer:
             run_id = str(info.get("run_id", ""))
         if self._run_id is not None and run_id != self._run_id:
             self.num_redis_restarts += 1
-            logger.warning("consumer: Redis restarted (new run_id); resynchronising every worker")
+            logger.warning(
+                "consumer: Redis restarted (new run_id); resynchronising every worker, each kept "
+                "until it registers again or its heartbeat TTL is over"
+            )
+            now = time.monotonic()
             for state in self._workers.values():
                 if state.synced:
                     self._schedule_resync(state, "redis_restart")
+                if state.alive:
+                    state.held_until = now + self._hold_s(state)
+                    self.num_held += 1
         self._run_id = run_id
         self._check_server = False
+
+    def _hold_s(self, state: WorkerState) -> float:
+        """How long a restart holds ``state``: its heartbeat TTL (it beats again well within)."""
+        ttl = state.info.get("heartbeat_ttl_s")
+        if isinstance(ttl, int | float) and not isinstance(ttl, bool) and 0 < ttl <= 3_600:
+            return float(ttl)
+        return self.restart_hold_s
+
+    async def _held(self, states: Iterable[WorkerState]) -> set[str]:
+        """Of ``states`` (about to be forgotten or expired), the ones a restart holds.
+
+        ``run_id`` is checked again first: the registry or the heartbeats just read may come
+        from a server that restarted after this round's check."""
+        await self._check_run_id()
+        now = time.monotonic()
+        return {state.worker for state in states if state.held_until > now}
 
     async def _refresh_registry(self) -> None:
         raw: dict[bytes, bytes] = await self._redis.hgetall(keys.WORKERS_KEY)  # type: ignore[assignment]
@@ -498,9 +544,11 @@ class EventConsumer:
                     logger.warning("consumer: bad registry entry %r: %s", name[:80], exc)
                 continue
             registered[worker_id] = info
-        for worker_id in list(self._workers):
-            if worker_id not in registered:
-                self._forget(worker_id)
+        missing = [s for w, s in self._workers.items() if w not in registered]
+        held = await self._held(missing) if missing else set()
+        for gone in missing:
+            if gone.worker not in held:
+                self._forget(gone.worker)
         for worker_id, info in registered.items():
             state = self._workers.get(worker_id)
             if state is None:
@@ -523,10 +571,15 @@ class EventConsumer:
             for state in states:
                 pipe.get(keys.alive_key(state.worker))
             beats = await pipe.execute()
+        gone = [s for s, beat in zip(states, beats, strict=True) if beat is None and s.alive]
+        held = await self._held(gone) if gone else set()
         now = time.monotonic()
         for state, beat in zip(states, beats, strict=True):
             exists = beat is not None
+            if state.worker in held:
+                continue  # Redis lost its heartbeat in a restart: kept until it beats again
             if exists:
+                state.held_until = 0.0
                 reported = _parse_heartbeat(beat)
                 if reported is not None:
                     state.reported_epoch, state.reported_seq = reported

@@ -42,8 +42,11 @@ Other keys, kept by a heartbeat task every ``heartbeat_interval_s``: the registr
 the snapshot still exists (a Redis restart without persistence loses it: then a new one is
 written) and a consumer's request for a fresh snapshot. A load task writes the load hash every
 ``load_interval_s`` (with a TTL, so a dead worker's load disappears). Start: a snapshot, then
-the registry entry and heartbeat. ``aclose()`` flushes what is buffered (waiting at most
-``close_timeout_s``), then removes the registry entry and the heartbeat key.
+the registry entry and heartbeat; ``registered`` says whether the last heartbeat was written
+(a worker whose Redis never answered is invisible to every router, and says so). ``aclose()``
+flushes what is buffered (waiting at most ``close_timeout_s``; at most one more attempt, a
+second at most, while Redis is not answering: a shutdown does not wait on a Redis that is
+down), then removes the registry entry and the heartbeat key.
 
 An entry with the largest possible id (``18446744073709551615-18446744073709551615``, added by
 someone else) makes every later ``XADD`` fail for good: the publisher then deletes its stream
@@ -161,6 +164,7 @@ class PublisherConfig:
     backoff_initial_s: float = 0.02  # first delay after a failed write; doubles per failure
     backoff_max_s: float = 2.0  # ... up to this
     close_timeout_s: float = 5.0  # aclose() waits this long for the buffer to be written
+    close_timeout_failing_s: float = 1.0  # ... or this long while Redis writes are failing
     unregister_on_close: bool = True  # aclose() removes the registry entry and heartbeat key
 
     def __post_init__(self) -> None:
@@ -241,6 +245,7 @@ class EventPublisher:
         self._stop = asyncio.Event()  # ends the heartbeat and load loops
         self._closed = False
         self._inflight = False
+        self.registered = False  # the last heartbeat (registry entry + heartbeat key) was written
 
         self.num_entries = 0
         self.num_events = 0
@@ -304,15 +309,16 @@ class EventPublisher:
         self._closing = True
         self._wakeup.set()
         self._full.set()
-        timeout_s = self.config.close_timeout_s
+        timeout_s = self.close_timeout_s
         if self._flusher is not None:
             try:
                 await asyncio.wait_for(asyncio.shield(self._flusher), timeout_s)
             except TimeoutError:
                 logger.warning(
-                    "publisher %s: closing with %d buffered events not written",
+                    "publisher %s: closing with %d buffered events%s not written",
                     self.worker_id,
                     self._batcher.num_events,
+                    " and a snapshot" if self._need_snapshot else "",
                 )
                 self._flusher.cancel()
         self._stop.set()
@@ -393,6 +399,14 @@ class EventPublisher:
                 self._drained.clear()
                 self._wake()
                 await self._drained.wait()
+
+    @property
+    def close_timeout_s(self) -> float:
+        """How long a shutdown waits for the buffer: ``close_timeout_s``, or while Redis is not
+        answering (the last write failed, or the heartbeat) one more attempt at most."""
+        if self._backoff.failing or not self.registered:
+            return min(self.config.close_timeout_s, self.config.close_timeout_failing_s)
+        return self.config.close_timeout_s
 
     @property
     def buffered_blocks(self) -> int:
@@ -637,6 +651,22 @@ class EventPublisher:
         return json.dumps(entry, sort_keys=True)
 
     async def _heartbeat_once(self) -> None:
+        try:
+            requested, has_snapshot = await self._write_heartbeat()
+        except REDIS_ERRORS:
+            self.registered = False
+            raise
+        if not self.registered:
+            logger.info("publisher %s: registered in Redis", self.worker_id)
+            self.registered = True
+        if requested or not has_snapshot:
+            if requested:
+                logger.info("publisher %s: a consumer asked for a snapshot", self.worker_id)
+            self.request_snapshot()
+
+    async def _write_heartbeat(self) -> tuple[Any, Any]:
+        """The registry entry and heartbeat key; (a consumer's snapshot request, whether our
+        snapshot exists)."""
         async with self._redis.pipeline(transaction=False) as pipe:
             pipe.hset(keys.WORKERS_KEY, self.worker_id, self._registry_json())
             # "<epoch> <last event id received>": a consumer that has not applied that id
@@ -649,10 +679,7 @@ class EventPublisher:
             pipe.getdel(keys.snapshot_request_key(self.worker_id))
             pipe.exists(keys.snapshot_key(self.worker_id))
             _, _, requested, has_snapshot = await pipe.execute()
-        if requested or not has_snapshot:
-            if requested:
-                logger.info("publisher %s: a consumer asked for a snapshot", self.worker_id)
-            self.request_snapshot()
+        return requested, has_snapshot
 
     async def _run_heartbeat(self) -> None:
         interval_s = self.config.heartbeat_interval_s

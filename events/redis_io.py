@@ -1,7 +1,12 @@
 """Redis clients, and the retry and shutdown steps every long-running Redis task shares.
 
-``redis_client(url)`` makes an asyncio client that fails fast (one attempt, short timeouts):
-kvmesh's loops do their own retrying. ``client_for(redis)`` takes a URL (the caller then owns
+``redis_client(url)`` makes an asyncio client that fails fast (short timeouts, no backoff):
+kvmesh's loops do their own retrying. It makes one immediate second attempt after a
+*connection* error, and only then: a pooled connection that the server closed (a restart, an
+idle timeout) fails its next command, and without that attempt every client would report
+"Redis is down" once after each restart, though Redis answers (a worker's ``/ready`` did, on
+the first call after a restart). A server that is really down refuses the second attempt as
+fast as the first; a timeout is not retried. ``client_for(redis)`` takes a URL (the caller then owns
 the client it gets, and closes it) or a client (not owned). ``REDIS_ERRORS`` is what a lost or
 refused connection or a timeout looks like from redis-py.
 
@@ -19,10 +24,12 @@ import logging
 import random
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Final, cast
+from urllib.parse import urlsplit, urlunsplit
 
 from redis.asyncio import Redis, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 __all__ = [
@@ -32,6 +39,7 @@ __all__ = [
     "client_for",
     "is_cluster",
     "raise_if_cancelled",
+    "redacted_url",
     "redis_client",
     "stop_tasks",
 ]
@@ -50,6 +58,16 @@ def raise_if_cancelled() -> None:
     task = asyncio.current_task()
     if task is not None and task.cancelling():
         raise asyncio.CancelledError
+
+
+def redacted_url(url: str) -> str:
+    """``url`` fit for a log line: its password replaced by ``***``."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.netloc.rpartition("@")[2]
+    user = parts.username or ""
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
 
 
 def redis_client(url: str, *, socket_timeout: float | None = 5.0) -> Redis:
@@ -71,7 +89,7 @@ def redis_client(url: str, *, socket_timeout: float | None = 5.0) -> Redis:
         url,
         socket_timeout=socket_timeout,
         socket_connect_timeout=connect_timeout,
-        retry=Retry(NoBackoff(), 0),
+        retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
     )
     return client
 

@@ -449,6 +449,15 @@ def summarize(outcomes: Sequence[Outcome]) -> dict[str, Any]:
     }
 
 
+def _statuses(outcomes: Sequence[Outcome]) -> dict[str, int]:
+    """How many requests got each HTTP status ("none": no answer at all)."""
+    counts: dict[str, int] = {}
+    for outcome in outcomes:
+        key = "none" if outcome.status is None else str(outcome.status)
+        counts[key] = counts.get(key, 0) + 1
+    return dict(sorted(counts.items()))
+
+
 def _metric(router_url: str, name: str) -> float:
     for line in httpx.get(f"{router_url}/metrics", timeout=5.0).text.splitlines():
         if line.startswith(f"{name} "):
@@ -601,6 +610,12 @@ async def _redis_restart(
         await asyncio.sleep(outage_s)
         await asyncio.to_thread(server.start)
         restarted = time.monotonic()
+        # Each worker's first /ready once Redis answers again: 200, not a dead pooled connection.
+        async with httpx.AsyncClient(timeout=5.0) as client:
+            ready_after_restart = {
+                w: (await client.get(f"{url}/ready")).status_code
+                for w, url in sorted(c.worker_urls.items())
+            }
 
         async def recovered() -> None:
             async with httpx.AsyncClient(base_url=c.router_url, timeout=2.0) as client:
@@ -646,6 +661,8 @@ async def _redis_restart(
         "outage_completed": sum(o.kind == "completed" for o in outage),
         "outage_rejected": sum(o.kind == "rejected" for o in outage),
         "outage_failed": sum(o.kind == "failed" for o in outage),
+        "statuses": _statuses(outcomes),
+        "worker_ready_after_restart": ready_after_restart,
         "publisher_dropped": sum(p["dropped"] for p in publisher.values()),
         "publisher_errors": sum(p["errors"] for p in publisher.values()),
         "publisher_snapshots": sum(p["snapshots"] for p in publisher.values()),

@@ -10,8 +10,11 @@ event loop:
 * the sync loop: every ``sync_interval_s`` it copies the consumer's view (registered, alive,
   synchronised) into the core; every ``load_interval_s`` it reads each worker's load hash,
   heartbeat TTL and stream tail in one pipeline. A worker is routed to only while its heartbeat
-  key exists; one whose heartbeat expired leaves the core at the next sync and the index at the
-  consumer's next liveness check (both within half a second by default).
+  key exists; when the sync loop finds one gone it asks the consumer to check at once, and the
+  worker leaves the core and the index when the consumer expires it (within about 0.2 s). The
+  consumer decides, not the sync loop, because Redis also loses every heartbeat when it
+  restarts empty: the consumer then holds each worker for its heartbeat TTL, and the router
+  keeps routing to them while they register again, instead of answering 503 "no worker is up".
 
 A worker's data is *stale* (reported in ``/workers``, ``/ready``, metrics and every decision,
 never silently used as fresh) when the consumer is resynchronising it, when the entries it has
@@ -259,9 +262,9 @@ class RouterRuntime:
             status.heartbeat_ttl_s = float(ttl_s) if isinstance(ttl_s, int | float) else None
             if isinstance(pttl, int) and pttl >= 0 and status.heartbeat_ttl_s:
                 status.heartbeat_age_s = max(status.heartbeat_ttl_s - pttl / 1000, 0.0)
-            elif isinstance(pttl, int) and pttl == -2:
-                # The heartbeat expired: out of rotation now, not at the consumer's next check.
-                self.core.remove_worker(state.worker)
+            elif isinstance(pttl, int) and pttl == -2 and state.held_until <= time.monotonic():
+                # Expired, or lost by a Redis restart: the consumer tells which, now.
+                self.consumer.check_liveness_soon()
                 status.heartbeat_age_s = None
             load = _parse_load(load_raw)
             status.has_load = bool(load)

@@ -41,7 +41,7 @@ from app.worker.metrics import WorkerMetrics
 from app.worker.settings import WorkerSettings
 from cache import KVCacheManager, block_hashes_for_tokens
 from events.publisher import EventPublisher, PublisherConfig, manager_registry_entry
-from events.redis_io import redis_client
+from events.redis_io import redacted_url, redis_client
 from events.snapshot import manager_snapshot
 
 __all__ = ["WorkerRuntime", "build_manager", "create_app", "serve"]
@@ -203,7 +203,7 @@ class WorkerRuntime:
         runtime.engine_task.add_done_callback(runtime._engine_done)
         primary, secondary = settings.blocks_per_level()
         logger.info(
-            "worker %s: ready at %s (engine %s, model %s, %d GPU + %d host blocks of %d tokens)",
+            "worker %s: serving at %s (engine %s, model %s, %d GPU + %d host blocks of %d tokens)",
             settings.worker_id,
             settings.url,
             settings.engine,
@@ -212,6 +212,16 @@ class WorkerRuntime:
             secondary,
             shape.tokens_per_block,
         )
+        if publisher.registered:
+            logger.info("worker %s: ready (registered in Redis)", settings.worker_id)
+        else:
+            # Serving, but no router can see it: say so, not "ready" (/ready answers 503).
+            logger.warning(
+                "worker %s: not ready: Redis at %s does not answer, so no router can see this "
+                "worker; retrying in the background (GET /ready is 503 until it registers)",
+                settings.worker_id,
+                redacted_url(redis_url),
+            )
         return runtime
 
     def _engine_done(self, task: asyncio.Task[None]) -> None:
@@ -251,8 +261,9 @@ class WorkerRuntime:
             logger.warning(
                 "worker %s: aborted %d request(s) at shutdown", settings.worker_id, aborted
             )
-        with contextlib.suppress(TimeoutError):
-            await self.publisher.flush(timeout=5.0)
+        if self.publisher.registered:  # else aclose makes the one last attempt
+            with contextlib.suppress(TimeoutError):
+                await self.publisher.flush(timeout=self.publisher.close_timeout_s)
 
     async def aclose(self) -> None:
         if not self.engine.draining:

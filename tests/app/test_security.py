@@ -558,7 +558,7 @@ def test_no_secret_in_any_log_line_or_answer(tmp_path: Path) -> None:
             for proc in (worker, router):
                 proc.wait(timeout=20)
     output = {name: path.read_text(errors="replace") for name, path in logs.items()}
-    assert "worker w0: ready at" in output["worker"]
+    assert "worker w0: ready (registered in Redis)" in output["worker"]
     assert "Redis write failed" in output["worker"] or "Redis is not answering" in output["worker"]
     assert "consumer: Redis read failed" in output["router"]
     assert (

@@ -10,6 +10,7 @@ import httpx
 import orjson
 import redis
 
+from app.redis_server import EmbeddedRedis
 from events import keys
 from tests.app.test_worker_api import expected_output
 from tests.app.worker_support import ADMIN_TOKEN, free_port, wait_ready, worker_process
@@ -99,3 +100,45 @@ def test_worker_process_with_an_embedded_redis() -> None:
         assert proc.wait(timeout=30) == 0
         output = proc.stdout.read() if proc.stdout else ""
     assert "started a private redis-server" in output
+
+
+def test_a_worker_whose_redis_does_not_answer_says_so_until_it_does() -> None:
+    """Nothing listens at the URL: the worker serves, but says it is not ready (in its log and
+    on /ready: no router can see it), registers once Redis answers, and a SIGTERM while Redis
+    is away does not wait out the flush timeouts (it took 10 s)."""
+    port, redis_port = free_port(), free_port()
+    base = f"http://127.0.0.1:{port}"
+    redis_url = f"redis://127.0.0.1:{redis_port}/0"
+    with worker_process(_args(redis_url, port)) as proc:
+        deadline = time.monotonic() + 60
+        while True:
+            assert time.monotonic() < deadline, "the worker did not start"
+            try:
+                health = httpx.get(f"{base}/health", timeout=1.0)
+                break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        assert health.status_code == 200
+        ready = httpx.get(f"{base}/ready")
+        assert ready.status_code == 503
+        assert ready.json()["checks"] == {"engine": True, "redis": False, "admitting": True}
+        with EmbeddedRedis(port=redis_port) as server:
+            wait_ready(base, proc)
+            client = redis.Redis.from_url(server.url)
+            while client.hget(keys.WORKERS_KEY, "wp") is None:  # at its next heartbeat
+                assert time.monotonic() < deadline, "the worker did not register"
+                time.sleep(0.05)
+            assert orjson.loads(client.hget(keys.WORKERS_KEY, "wp") or b"{}")["url"] == base
+            client.close()
+        stopping = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        stopped_after_s = time.monotonic() - stopping
+        output = proc.stdout.read() if proc.stdout else ""
+    assert stopped_after_s < 5.0
+    assert (
+        f"worker wp: not ready: Redis at {redis_url} does not answer, so no router can see "
+        "this worker; retrying in the background (GET /ready is 503 until it registers)"
+    ) in output
+    assert "publisher wp: registered in Redis" in output
+    assert "worker wp: ready (registered in Redis)" not in output

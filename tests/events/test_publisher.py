@@ -269,6 +269,7 @@ def test_publisher_config_defaults_are_what_a_worker_uses() -> None:
         "backoff_initial_s": 0.02,
         "backoff_max_s": 2.0,
         "close_timeout_s": 5.0,
+        "close_timeout_failing_s": 1.0,
         "unregister_on_close": True,
     }
     with pytest.raises(dataclasses.FrozenInstanceError):

@@ -324,3 +324,85 @@ async def test_a_per_stream_read_cancelled_before_it_starts_leaves_no_command_un
         assert await consumer._read(streams) == []  # the path itself works
     finally:
         await consumer.aclose()
+
+
+async def _watch_alive(consumer: Any, workers: set[str], missing: list[float]) -> None:
+    """Every few ms: note when a followed worker is not alive in the consumer's view."""
+    loop = asyncio.get_running_loop()
+    while True:
+        states = consumer.workers()
+        if any(w not in states or not states[w].alive for w in workers):
+            missing.append(loop.time())
+        await asyncio.sleep(0.002)
+
+
+async def test_a_redis_restart_holds_every_worker_until_it_registers_again(
+    embedded_redis: EmbeddedRedis,
+) -> None:
+    """Redis restarts empty: the registry and the heartbeats are gone until each worker's next
+    heartbeat (up to two seconds here). The consumer must keep following every worker through
+    that, never report one gone, and rebuild the index from the new snapshots."""
+    url = embedded_redis.url
+    workloads = [Workload(seed=210 + i) for i in range(2)]
+    # A heartbeat every 2 s: the registry stays empty for up to 2 s after the restart, while
+    # the consumer reads it every 50 ms.
+    publishers = [
+        make_publisher(url, f"w{i}", w, heartbeat_interval_s=2.0, heartbeat_ttl_s=5.0)
+        for i, w in enumerate(workloads)
+    ]
+    workers = {p.worker_id: (w, p) for w, p in zip(workloads, publishers, strict=True)}
+    async with make_consumer(url) as consumer:
+        for publisher in publishers:
+            await publisher.start()
+        await asyncio.gather(*(drive(w, p, 20) for w, p in workers.values()))
+        await assert_index_exact(consumer, workers)
+        missing: list[float] = []
+        watch = asyncio.create_task(_watch_alive(consumer, set(workers), missing))
+        try:
+            embedded_redis.kill()
+            await asyncio.sleep(0.2)
+            embedded_redis.start()
+            await wait_until(lambda: all(p.registered for p in publishers))
+            await wait_until(lambda: consumer.stats()["held_workers"] == 0)
+            await asyncio.gather(*(drive(w, p, 20) for w, p in workers.values()))
+            await assert_index_exact(consumer, workers)
+        finally:
+            watch.cancel()
+        stats = consumer.stats()
+        for publisher in publishers:
+            await publisher.aclose()
+    assert missing == []
+    assert stats["redis_restarts"] == 1
+    assert (stats["held"], stats["expired"], stats["workers"]) == (2, 0, 2)
+    assert stats["resync_reasons"]["redis_restart"] == 2
+
+
+async def test_a_worker_that_dies_with_redis_expires_when_its_hold_is_over(
+    embedded_redis: EmbeddedRedis,
+) -> None:
+    """Held through a restart for its heartbeat TTL, no longer: a worker that never registers
+    again leaves the consumer then, while one that does stays."""
+    url = embedded_redis.url
+    ttl_s = 1.0
+    survivor, victim = Workload(seed=220), Workload(seed=221)
+    live = make_publisher(url, "w0", survivor, heartbeat_ttl_s=ttl_s)
+    dead = make_publisher(
+        url, "w1", victim, heartbeat_ttl_s=ttl_s, unregister_on_close=False, close_timeout_s=0.1
+    )
+    async with make_consumer(url) as consumer, live:
+        await dead.start()
+        await wait_until(lambda: consumer.stats()["synced_workers"] == 2)
+        embedded_redis.kill()
+        await dead.aclose()  # dies with the server: nothing of it will come back
+        embedded_redis.start()
+        restarted = asyncio.get_running_loop().time()
+        await wait_until(lambda: consumer.stats()["held"] == 2)
+        await wait_until(lambda: "w1" not in consumer.workers(), timeout=ttl_s + 3.0)
+        gone_after_s = asyncio.get_running_loop().time() - restarted
+        await assert_index_exact(consumer, {"w0": (survivor, live)})
+        stats = consumer.stats()
+    # Held for its TTL from the moment the consumer saw the restart, then forgotten (the
+    # registry no longer names it) and out of the index.
+    assert ttl_s * 0.9 <= gone_after_s <= ttl_s + 1.5
+    assert stats["workers"] == 1
+    assert "w1" not in consumer.index.workers()

@@ -9,7 +9,8 @@ import logging
 import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from events.redis_io import Backoff, stop_tasks
+from app.redis_server import EmbeddedRedis
+from events.redis_io import Backoff, redacted_url, redis_client, stop_tasks
 
 LOGGER = logging.getLogger("events.test_redis_io")
 
@@ -133,3 +134,34 @@ async def test_stop_tasks_without_grace_cancels_at_once() -> None:
     task = asyncio.create_task(asyncio.sleep(60))
     await stop_tasks([task])
     assert task.cancelled()
+
+
+async def test_a_client_survives_a_restart_without_an_error(embedded_redis: EmbeddedRedis) -> None:
+    """The pooled connection dies with the server; the first command after the restart takes
+    a fresh one instead of failing (a worker's /ready said "redis": false once per restart)."""
+    client = redis_client(embedded_redis.url)
+    try:
+        assert await client.set("k", "before") is True
+        embedded_redis.kill()
+        embedded_redis.start()
+        assert await client.ping() is True
+        assert await client.get("k") is None  # the server restarted empty
+    finally:
+        await client.aclose()
+
+
+async def test_a_server_that_is_down_still_fails_fast(embedded_redis: EmbeddedRedis) -> None:
+    client = redis_client(embedded_redis.url)
+    embedded_redis.kill()
+    try:
+        with pytest.raises(RedisConnectionError, match="Error 111 connecting"):
+            await client.ping()
+    finally:
+        await client.aclose()
+        embedded_redis.start()
+
+
+def test_a_redis_url_in_a_log_line_has_no_password() -> None:
+    assert redacted_url("redis://kv:s3cret@redis-host:6379/0") == "redis://kv:***@redis-host:6379/0"
+    assert redacted_url("rediss://:s3cret@h:6380") == "rediss://:***@h:6380"
+    assert redacted_url("redis://h:6379/0") == "redis://h:6379/0"
