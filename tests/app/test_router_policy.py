@@ -87,6 +87,23 @@ def cand(worker: str, **fields: int | bool) -> Candidate:
             "b",
             {"a": 64.0 + 256.0, "b": 264.0},
         ),
+        # A prompt ending in a partial block needs that block too: 65 tokens are 5 blocks
+        # (rounded up), so a with 4 free cannot fit them and pays 4 prompts (4 * 65 = 260).
+        (
+            [cand("a", free_blocks=4), cand("b", queued_prefill_tokens=100)],
+            65,
+            W,
+            "b",
+            {"a": 65.0 + 260.0, "b": 165.0},
+        ),
+        # The same prompt fits exactly in 5 free blocks: no penalty, a wins.
+        (
+            [cand("a", free_blocks=5), cand("b", queued_prefill_tokens=100)],
+            65,
+            W,
+            "a",
+            {"a": 65.0, "b": 165.0},
+        ),
     ],
 )
 def test_kv_aware_costs(
@@ -213,6 +230,32 @@ def test_dynamo_logits(
 )
 def test_sglang_cache_aware(candidates: list[Candidate], worker: str, why: str) -> None:
     assert sglang(req(128), candidates, W, PolicyState()).worker == worker, why
+
+
+# SGLang's router is imbalanced iff max - min > balance_abs AND max > balance_rel * min; the
+# costs are the uncached tokens when the cache decides (a holds 127 of 128: the last prompt
+# token is always computed), the running requests when the balance does.
+@pytest.mark.parametrize(
+    ("running_a", "running_b", "worker", "costs"),
+    [
+        # 65 - 1 = 64, exactly balance_abs (not more): balanced, the cache decides.
+        (65, 1, "a", [1.0, 128.0]),
+        # 66 - 1 = 65 > 64 and 66 > 1.5 * 1: imbalanced, the idlest wins.
+        (66, 1, "b", [66.0, 1.0]),
+        # 195 - 130 = 65 > 64 but 195 is exactly 1.5 * 130 (not more): balanced.
+        (195, 130, "a", [1.0, 128.0]),
+        # 196 - 130 = 66 > 64 and 196 > 195: imbalanced.
+        (196, 130, "b", [196.0, 130.0]),
+    ],
+    ids=["abs_boundary", "abs_past", "rel_boundary", "rel_past"],
+)
+def test_sglang_balance_thresholds_are_strict(
+    running_a: int, running_b: int, worker: str, costs: list[float]
+) -> None:
+    candidates = [cand("a", matched_blocks=8, running=running_a), cand("b", running=running_b)]
+    decision = sglang(req(128), candidates, W, PolicyState())
+    assert decision.worker == worker
+    assert [(c.worker, c.cost) for c in decision.costs] == [("a", costs[0]), ("b", costs[1])]
 
 
 def test_every_policy_is_registered_and_refuses_an_empty_list() -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib.util
+import os
 import random
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -625,6 +627,21 @@ POOL = block_hashes_for_tokens(list(range(600)), 2)  # 300 chained hashes to dra
 needs_numba = pytest.mark.skipif(
     not PrefixIndex().compiled, reason="no numba (or KVMESH_NO_NUMBA): only the Python table"
 )
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("numba") is None or bool(os.environ.get("KVMESH_NO_NUMBA")),
+    reason="no numba (or KVMESH_NO_NUMBA): the Python table is the expected one",
+)
+def test_compiled_table_is_in_use_where_numba_is_installed() -> None:
+    """With numba installed, a compiled table that fails its self-test falls back to the dict
+    silently (a warning), and the comparisons above skip: this fails instead."""
+    from events._index_kernels import ArrayTable
+
+    assert events.index._compiled_table_works()
+    index = PrefixIndex()
+    assert index.compiled
+    assert isinstance(index._table, ArrayTable)
 
 
 def random_op(rng: random.Random, num_workers: int) -> tuple[str, KVCacheEvent | None]:
