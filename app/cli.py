@@ -1,7 +1,9 @@
 """The ``kvmesh`` command line: one subcommand per service, plus ``demo`` and ``bench``.
 
 ``build_parser()`` is the single definition of every flag; ``tests/app/test_compose.py`` parses
-the commands of ``docker-compose.yml`` with it, so the two cannot drift apart.
+the commands of ``docker-compose.yml`` with it, so the two cannot drift apart. ``main`` parses
+with ``parse_args``, which reports an unknown flag on the subcommand it was given to. A bad
+setting, flag or variable, ends a command at start with one line naming it, exit status 2.
 """
 
 from __future__ import annotations
@@ -16,10 +18,12 @@ from collections.abc import Callable, Coroutine, Sequence
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
-from app.bench import BENCHMARKS, load_benchmark
+from pydantic import ValidationError
+
+from app.bench import BENCHMARK_HELP, BENCHMARKS, load_benchmark
 from app.settings import Settings
 
-__all__ = ["build_parser", "main"]
+__all__ = ["build_parser", "main", "parse_args"]
 
 Handler = Callable[[argparse.Namespace], int]
 S = typing.TypeVar("S", bound=Settings)
@@ -32,11 +36,12 @@ def _package_version() -> str:
         return "unknown"
 
 
-def _add_redis_flag(parser: argparse.ArgumentParser) -> None:
+def _add_redis_flag(parser: argparse.ArgumentParser, unset: str) -> None:
     parser.add_argument(
         "--redis-url",
         default=None,
-        help="Redis to use (default: $REDIS_URL; demo and bench start a private one if unset)",
+        help="Redis to use: redis://, rediss://, unix://, redis+cluster:// or rediss+cluster:// "
+        f"(default: $REDIS_URL or $KVMESH_REDIS_URL; if neither is set, {unset})",
     )
 
 
@@ -50,8 +55,13 @@ def _add_settings_flags(parser: argparse.ArgumentParser, model: type[Settings]) 
         if name in shared:
             continue
         flag = "--" + name.replace("_", "-")
-        default = "" if info.is_required() else f" (default: {info.default})"
-        help_text = f"{info.description or name}{default}"
+        help_text = info.description or name
+        # A field whose default is None says in its description what unset means ("the
+        # preset's"); one whose description already names its default gets no second one.
+        if info.is_required():  # not to argparse: the variable may give it
+            help_text += f" (required: this flag or KVMESH_{name.upper()})"
+        elif info.default is not None and "default" not in help_text:
+            help_text += f" (default: {info.default})"
         annotation = info.annotation
         choices = _literal_choices(annotation)
         if annotation is bool:
@@ -76,6 +86,30 @@ def _literal_choices(annotation: Any) -> list[str] | None:
     return None
 
 
+def _subcommand_parser(
+    parser: argparse.ArgumentParser, args: argparse.Namespace
+) -> argparse.ArgumentParser:
+    """The parser of the (sub)subcommand that ``args`` chose: ``kvmesh ingest vllm``'s, ...
+    (argparse keeps no public record of it: found through its private ``_actions``)."""
+    while True:
+        subparsers = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        chosen = getattr(args, subparsers[0].dest, None) if subparsers else None
+        if chosen is None:
+            return parser
+        parser = subparsers[0].choices[chosen]
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """``build_parser().parse_args(argv)``, but an argument no parser took is reported by the
+    subcommand's parser (``kvmesh worker: error: unrecognized arguments: --bogus``, with its
+    usage): argparse reports it on the top parser, as if ``kvmesh`` itself had no such flag."""
+    parser = build_parser()
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        _subcommand_parser(parser, args).error(f"unrecognized arguments: {' '.join(extras)}")
+    return args
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvmesh",
@@ -94,27 +128,40 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser(
         "demo", help="Redis, workers, a router and its dashboard on this machine, and a workload"
     )
-    _add_redis_flag(demo)
+    _add_redis_flag(demo, "a private redis-server for the run")
     demo.add_argument("--workers", type=int, default=4, help="worker processes (default: 4)")
     demo.add_argument(
-        "--duration", type=float, default=None, help="exit this many seconds after start"
+        "--duration",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="end about this many seconds after start: each policy replays only the requests "
+        "that fit (at least one; starting the processes alone takes 10 to 20 s), then the "
+        "cluster serves until the time is up (default: the whole workload, then serve until "
+        "Ctrl-C)",
     )
     demo.add_argument("--trace", default=None, help="a Mooncake trace (default: the built-in)")
-    demo.add_argument("--requests", type=int, default=None, help="replay the first N requests")
+    demo.add_argument(
+        "--requests", type=int, default=None, help="replay the first N requests (default: all)"
+    )
     demo.add_argument("--port", type=int, default=8000, help="the router's port (default: 8000)")
-    demo.add_argument("--speed", type=float, default=85.0, help="trace seconds per second")
-    demo.add_argument("--no-browser", action="store_true", help="do not open the dashboard")
+    demo.add_argument(
+        "--speed", type=float, default=85.0, help="trace seconds per second (default: 85)"
+    )
+    demo.add_argument(
+        "--no-browser", action="store_true", help="do not open the dashboard (default: open it)"
+    )
     demo.set_defaults(handler=_cmd_demo)
 
     worker = sub.add_parser("worker", help="a worker service owning one GPU's KV cache")
-    _add_redis_flag(worker)
+    _add_redis_flag(worker, "a private redis-server (for a worker on its own)")
     from app.worker.settings import WorkerSettings
 
     _add_settings_flags(worker, WorkerSettings)
     worker.set_defaults(handler=_cmd_worker)
 
     router = sub.add_parser("router", help="the cache-aware router (workers found in Redis)")
-    _add_redis_flag(router)
+    _add_redis_flag(router, "none: the router refuses to start")
     from app.router.settings import RouterSettings
 
     _add_settings_flags(router, RouterSettings)
@@ -123,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     dashboard = sub.add_parser(
         "dashboard", help="a live web dashboard of the cluster's KV cache (read-only)"
     )
-    _add_redis_flag(dashboard)
+    _add_redis_flag(dashboard, "none: the dashboard refuses to start")
     from app.dashboard.settings import DashboardSettings
 
     _add_settings_flags(dashboard, DashboardSettings)
@@ -137,10 +184,20 @@ def build_parser() -> argparse.ArgumentParser:
     add_replay_arguments(replay)
     replay.set_defaults(handler=_cmd_replay)
 
-    bench = sub.add_parser("bench", help="run a benchmark")
-    bench.add_argument("name", choices=sorted(BENCHMARKS), help="which benchmark")
-    bench.add_argument("--json", action="store_true", help="print the result as one JSON line")
-    bench.add_argument("--quick", action="store_true", help="a small run (for tests)")
+    bench = sub.add_parser(
+        "bench",
+        help="run a benchmark",
+        description="Run a benchmark; kvmesh bench NAME --help says what it measures and what "
+        "--quick runs instead.",
+    )
+    _add_bench_flags(bench, default=False, quick="a small run, as the tests do")
+    bench_sub = bench.add_subparsers(dest="name", metavar="NAME", required=True)
+    for name in sorted(BENCHMARKS):
+        about, quick = BENCHMARK_HELP.get(name, (f"the benchmark {name}", "a small run"))
+        one = bench_sub.add_parser(name, help=about, description=f"kvmesh bench {name}: {about}.")
+        # SUPPRESS: a flag given before NAME (``bench --json NAME``, as before NAME had a parser
+        # of its own) is not overwritten by this parser's default.
+        _add_bench_flags(one, default=argparse.SUPPRESS, quick=f"a small run: {quick}")
     bench.set_defaults(handler=_cmd_bench)
 
     ingest = sub.add_parser("ingest", help="republish another engine's KV events to the stream")
@@ -151,15 +208,21 @@ def build_parser() -> argparse.ArgumentParser:
     trtllm.add_argument("--url", required=True, help="the server, e.g. http://gpu3:8000")
     trtllm.add_argument("--worker-id", required=True, help="worker id to publish the events as")
     trtllm.add_argument(
-        "--tokens-per-block", type=int, default=None, help="the engine's block size (registry)"
+        "--tokens-per-block",
+        type=int,
+        default=None,
+        help="the engine's block size, for the registry (default: none registered)",
     )
     trtllm.add_argument(
-        "--poll-interval-s", type=float, default=0.05, help="pause after an empty answer"
+        "--poll-interval-s",
+        type=float,
+        default=0.05,
+        help="pause after an empty answer (default: 0.05)",
     )
     trtllm.add_argument(
         "--max-polls", type=int, default=None, help="stop after this many polls (default: never)"
     )
-    _add_redis_flag(trtllm)
+    _add_redis_flag(trtllm, "none: the ingest refuses to start")
     trtllm.set_defaults(handler=_cmd_ingest_trtllm)
     for source, what in (("vllm", "vLLM"), ("sglang", "SGLang")):
         zmq_ingest = ingest_sub.add_parser(
@@ -167,16 +230,30 @@ def build_parser() -> argparse.ArgumentParser:
         )
         defaults = _zmq_ingest_defaults(source)
         zmq_ingest.add_argument(
-            "--endpoint", default=defaults["endpoint"], help="its PUB socket, e.g. tcp://gpu3:5557"
+            "--endpoint",
+            default=defaults["endpoint"],
+            help=f"its PUB socket, e.g. tcp://gpu3:5557 (default: {defaults['endpoint']})",
         )
         zmq_ingest.add_argument(
-            "--replay-endpoint", default=None, help="its replay ROUTER socket, e.g. tcp://gpu3:5567"
+            "--replay-endpoint",
+            default=None,
+            help="its replay ROUTER socket, e.g. tcp://gpu3:5567 (default: none; a gap in "
+            "the sequence is then reported as lost)",
         )
-        zmq_ingest.add_argument("--topic", default=defaults["topic"], help="the topic it publishes")
+        zmq_ingest.add_argument(
+            "--topic", default=defaults["topic"], help="the topic it publishes (default: all)"
+        )
         zmq_ingest.add_argument("--worker-id", required=True, help="worker id to publish as")
-        zmq_ingest.add_argument("--url", default=None, help="the server, e.g. http://gpu3:8000")
         zmq_ingest.add_argument(
-            "--block-size", type=int, default=defaults["block_size"], help="its tokens per block"
+            "--url",
+            default=None,
+            help="the server, e.g. http://gpu3:8000, for the registry (default: none)",
+        )
+        zmq_ingest.add_argument(
+            "--block-size",
+            type=int,
+            default=defaults["block_size"],
+            help=f"its tokens per block (default: {defaults['block_size']})",
         )
         zmq_ingest.add_argument(
             "--data-parallel-size",
@@ -193,17 +270,36 @@ def build_parser() -> argparse.ArgumentParser:
             "--max-model-len; default 0: not given; a sliding-window group sends its own)",
         )
         zmq_ingest.add_argument(
-            "--max-batches", type=int, default=None, help="stop after this many messages"
+            "--max-batches",
+            type=int,
+            default=None,
+            help="stop after this many messages (default: never)",
         )
-        _add_redis_flag(zmq_ingest)
+        _add_redis_flag(zmq_ingest, "none: the ingest refuses to start")
         zmq_ingest.set_defaults(handler=_cmd_ingest_zmq)
 
     return parser
 
 
+def _add_bench_flags(parser: argparse.ArgumentParser, *, default: Any, quick: str) -> None:
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        default=default,
+        help="print the result as one JSON line, last (default: a table)",
+    )
+    parser.add_argument(
+        "--quick", action="store_true", default=default, help=f"{quick} (default: the full run)"
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    settings = Settings()
+    args = parse_args(argv)
+    try:  # a bad Redis URL (flag or variable) or log level ends any command here, in one line
+        settings = _shared_settings(args)
+    except ValidationError as exc:
+        _print_setting_errors(args, exc)
+        return 2
     logging.basicConfig(
         level=args.log_level or settings.log_level,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -247,18 +343,15 @@ def _cmd_dashboard(args: argparse.Namespace) -> int:
 
 def _run_service(args: argparse.Namespace, model: type[S], serve: Callable[[S], None]) -> int:
     """Build the service's settings (a bad one: one line naming it, exit 2), then serve."""
-    from pydantic import ValidationError
-
     try:
         settings = _service_settings(args, model)
     except ValidationError as exc:
-        for error in exc.errors():
-            print(f"kvmesh {args.command}: {_setting_error(error)}", file=sys.stderr)
+        _print_setting_errors(args, exc)
         return 2
     if settings.redis_url is None and args.command in ("router", "dashboard"):
         print(
-            f"kvmesh {args.command}: --redis-url (REDIS_URL): it reads the workers' streams; "
-            "give the Redis they publish to",
+            f"kvmesh {args.command}: --redis-url ({_variables('redis_url')}): it reads the "
+            "workers' streams; give the Redis they publish to",
             file=sys.stderr,
         )
         return 2
@@ -276,17 +369,41 @@ def _service_settings(args: argparse.Namespace, model: type[S]) -> S:
     return model(**given)
 
 
+def _shared_settings(args: argparse.Namespace) -> Settings:
+    """The settings every command shares, with its ``--redis-url`` (if it has one) over
+    ``REDIS_URL``; a bad URL fails here, before any command starts."""
+    if args.command == "replay":  # in process, without Redis: a bad REDIS_URL is not its concern
+        return Settings(redis_url=None)
+    redis_url = getattr(args, "redis_url", None)
+    return Settings(redis_url=redis_url) if redis_url is not None else Settings()
+
+
+def _print_setting_errors(args: argparse.Namespace, exc: ValidationError) -> None:
+    for error in exc.errors():
+        print(f"kvmesh {args.command}: {_setting_error(error)}", file=sys.stderr)
+
+
+# pydantic names an error of a field read from several variables after the alias it tried
+# (Settings.redis_url: REDIS_URL or KVMESH_REDIS_URL); the flag is named after the field.
+_ALIASES = {"REDIS_URL": "redis_url", "KVMESH_REDIS_URL": "redis_url"}
+
+
+def _variables(name: str) -> str:
+    """The environment variables a setting is read from, as the help and errors name them."""
+    return "KVMESH_REDIS_URL / REDIS_URL" if name == "redis_url" else f"KVMESH_{name.upper()}"
+
+
 def _setting_error(error: Any) -> str:
     """One line naming the setting: its flag, its variable and what is wrong with it."""
     loc = [str(part) for part in error.get("loc", ())]
     message = str(error.get("msg", "invalid"))
     if loc:
-        name = loc[0]
+        name = _ALIASES.get(loc[0], loc[0])
     else:  # a check across fields: its message starts with the setting's name
         name, _, rest = message.removeprefix("Value error, ").partition(": ")
         message = rest or message
     message = message.removeprefix("Value error, ")
-    return f"--{name.replace('_', '-')} (KVMESH_{name.upper()}): {message}"
+    return f"--{name.replace('_', '-')} ({_variables(name)}): {message}"
 
 
 # -- bench ---------------------------------------------------------------------------------
@@ -408,11 +525,19 @@ def _cmd_ingest_zmq(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from app.demo.runner import DEMO_TRACE, DemoError, DemoOptions, run_demo
+    from app.demo.runner import DEMO_TRACE, DemoError, DemoFailed, DemoOptions, run_demo
     from app.replay.trace import TraceError
 
-    if args.workers < 1 or (args.requests is not None and args.requests < 1) or args.speed <= 0:
-        print("kvmesh demo: --workers and --requests must be >= 1, --speed > 0", file=sys.stderr)
+    if (
+        args.workers < 1
+        or (args.requests is not None and args.requests < 1)
+        or args.speed <= 0
+        or (args.duration is not None and args.duration < 0)
+    ):
+        print(
+            "kvmesh demo: --workers and --requests must be >= 1, --speed > 0, --duration >= 0",
+            file=sys.stderr,
+        )
         return 2
     options = DemoOptions(
         workers=args.workers,
@@ -429,6 +554,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     except (TraceError, DemoError) as exc:
         print(f"kvmesh demo: {exc}", file=sys.stderr)
         return 2
+    except DemoFailed as exc:
+        print(f"kvmesh demo: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("kvmesh demo: stopped", file=sys.stderr)
         return 130

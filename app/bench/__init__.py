@@ -3,8 +3,10 @@
 ``BENCHMARKS`` maps a name to ``"module:function"``; the module is imported only when that
 benchmark runs, so a heavy benchmark costs nothing to the rest of the CLI. A benchmark is a
 ``Callable[[argparse.Namespace], dict[str, Any]]``: it reads its options from the namespace
-(``--quick`` asks for a small run, as in tests) and returns flat-ish, JSON-serialisable results.
-To add one, write ``app/bench/<name>.py`` with a ``run(args)`` and add a line here.
+(``--quick`` asks for a small run, as in tests; ``--json`` is the CLI's) and returns flat-ish,
+JSON-serialisable results. ``BENCHMARK_HELP`` is what ``kvmesh bench NAME --help`` says about
+it, kept here for the same reason: building the parser imports no benchmark. To add one, write
+``app/bench/<name>.py`` with a ``run(args)`` and add a line to both.
 """
 
 from __future__ import annotations
@@ -22,7 +24,14 @@ if TYPE_CHECKING:
 
     from app.redis_server import EmbeddedRedis
 
-__all__ = ["BENCHMARKS", "Benchmark", "bench_redis", "load_benchmark", "receive"]
+__all__ = [
+    "BENCHMARKS",
+    "BENCHMARK_HELP",
+    "Benchmark",
+    "bench_redis",
+    "load_benchmark",
+    "receive",
+]
 
 Benchmark = Callable[[argparse.Namespace], dict[str, Any]]
 
@@ -36,6 +45,49 @@ BENCHMARKS: dict[str, str] = {
     "router": "app.bench.router:run",
     "faults": "app.bench.faults:run",
     "ingest": "app.bench.ingest:run",
+}
+
+# name -> (what it measures, what --quick runs instead); each module's docstring has the rest.
+BENCHMARK_HELP: dict[str, tuple[str, str]] = {
+    "events": (
+        "KV events from 4 publishers through Redis into one consumer's index: throughput and "
+        "latency",
+        "40 requests' events per publisher instead of 600, 1 s of paced latency instead of 8",
+    ),
+    "index": (
+        "the router's prefix index: applying events and matching prompts",
+        "1,000 events and 200 requests instead of 20,000 and 2,000, one build instead of 5",
+    ),
+    "manager": (
+        "block manager throughput: 4,096-token requests sharing 10 prefixes",
+        "100 requests instead of 2,000",
+    ),
+    "transfer": (
+        "offload and onboard bandwidth between the pools, against a plain torch copy",
+        "32 blocks instead of 1,024",
+    ),
+    "redis": (
+        "round-trip latency and pipelined XADD throughput against Redis ($REDIS_URL or a "
+        "private one)",
+        "200 pings and 1,000 entries instead of 5,000 and 50,000",
+    ),
+    "worker": (
+        "one worker process over HTTP against its bare block manager",
+        "100 requests from 16 clients instead of 2,000 from 64",
+    ),
+    "router": (
+        "routing decisions, in process and through a real kvmesh router over HTTP",
+        "1,000 events, 200 requests, 200 requests/s for 1 s instead of 20,000, 2,000, 1,000/s "
+        "for 10 s",
+    ),
+    "faults": (
+        "kvmesh under faults and load, with real processes (docs/reliability.md)",
+        "every scenario smaller: fewer workers, requests and blocks (QUICK in faults.py)",
+    ),
+    "ingest": (
+        "vLLM KV events through kvmesh ingest vllm into the Redis stream",
+        "40 scheduler steps instead of 1,500",
+    ),
 }
 
 

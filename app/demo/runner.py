@@ -12,7 +12,18 @@
    ``usage.prompt_tokens_details.cached_tokens``), TTFT p50/p99, load imbalance (as in
    ``kvmesh replay``: per 60 s of trace time, the busiest worker's uncached prompt tokens over
    the mean) and failed requests.
-5. The last cluster keeps serving until Ctrl-C (or until ``--duration`` seconds after start).
+5. The last cluster keeps serving until Ctrl-C, or until ``--duration`` seconds after start.
+
+``--duration`` bounds the whole run, as one expects of ``--duration 5``: once the first workers
+are up, each policy replays only the requests that arrive within its share of the time left
+(``fit_to_time``: the second set of workers takes as long to start as the first, plus a few
+seconds to wrap up), and at least the first request, so a short run still compares something
+and ends about when asked (starting the processes alone takes 10 to 20 s). Without it,
+the whole workload, then serve until Ctrl-C.
+
+Every child logs to its own file in a temporary folder. The folder is deleted when the demo
+ends cleanly and kept, and its path printed last, when anything failed: an exception, Ctrl-C
+or SIGTERM, or a child that exited with a non-zero status (then ``DemoFailed``).
 
 The workload: ``conversations.jsonl`` beside this module, 192 requests of 48 multi-turn
 conversations from the Mooncake conversation trace (Apache-2.0; ``README.md`` here says how it
@@ -29,15 +40,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
 import webbrowser
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -51,17 +64,36 @@ from app.redis_server import EmbeddedRedis
 from app.replay.report import load_imbalance
 from app.replay.trace import TokenSource, TraceRequest, load_trace
 
-__all__ = ["DEMO_TRACE", "DemoError", "DemoOptions", "PhaseResult", "run_demo"]
+__all__ = [
+    "DEMO_TRACE",
+    "DemoError",
+    "DemoFailed",
+    "DemoOptions",
+    "PhaseResult",
+    "fit_to_time",
+    "run_demo",
+]
 
 DEMO_TRACE = Path(__file__).resolve().parent / "conversations.jsonl"
 POLICIES = ("kv_aware", "round_robin")
 IMBALANCE_WINDOW_S = 60.0  # of trace time, as in kvmesh replay
 _READY_TIMEOUT_S = 60.0
 _STOP_TIMEOUT_S = 10.0
+# What a --duration run keeps besides the replays, as measured on the 2-core development
+# machine: stopping the first workers, then the router and Redis at the end (a second or two
+# each); and after each replay's last request, the answers still in flight (seconds when the
+# workers are saturated, as they are there: four workers, the router and the client on 2 cores).
+_WRAP_UP_S = 3.0
+_TAIL_S = 3.0
 
 
 class DemoError(Exception):
     """The demo cannot start as asked (the message says why)."""
+
+
+class DemoFailed(Exception):
+    """Something failed while the demo ran: a child exited, or did not come up in time (the
+    message says which; the logs are kept)."""
 
 
 @dataclass(slots=True)
@@ -130,6 +162,7 @@ class Processes:
     def __init__(self, log_dir: Path) -> None:
         self.log_dir = log_dir
         self.procs: dict[str, tuple[subprocess.Popen[bytes], IO[bytes]]] = {}
+        self.failures: list[str] = []  # "<name> exited with status <n>", for every non-zero exit
 
     def start(self, name: str, args: list[str], env: dict[str, str] | None = None) -> int:
         """Start ``kvmesh ARGS`` as ``name``; its pid."""
@@ -148,7 +181,7 @@ class Processes:
         proc, _ = self.procs[name]
         if proc.poll() is not None:
             tail = (self.log_dir / f"{name}.log").read_text(errors="replace")[-2_000:]
-            raise RuntimeError(f"{name} exited with status {proc.returncode}:\n{tail}")
+            raise DemoFailed(f"{name} exited with status {proc.returncode}:\n{tail}")
 
     def stop(self, names: list[str]) -> None:
         """SIGTERM to each, then wait; SIGKILL what is still running after the grace period."""
@@ -165,6 +198,8 @@ class Processes:
                 proc.kill()
                 proc.wait()
             log.close()
+            if proc.returncode != 0:  # workers and the router exit 0 on SIGTERM
+                self.failures.append(f"{name} exited with status {proc.returncode}")
 
     def stop_all(self) -> None:
         self.stop(list(self.procs))
@@ -202,11 +237,23 @@ def _wait_until(check: Any, what: str, procs: Processes, names: list[str]) -> No
             if check():
                 return
         if time.monotonic() > deadline:
-            raise RuntimeError(f"{what} did not happen within {_READY_TIMEOUT_S:.0f} s")
+            raise DemoFailed(f"{what} did not happen within {_READY_TIMEOUT_S:.0f} s")
         time.sleep(0.1)
 
 
 # -- the workload ------------------------------------------------------------------------------
+
+
+def fit_to_time(
+    trace: list[TraceRequest], *, speed: float, left_s: float, startup_s: float
+) -> list[TraceRequest]:
+    """The requests each policy replays to end within ``left_s`` from now, the first set of
+    workers being up and having taken ``startup_s`` to start: those arriving (at ``speed``)
+    within an equal share of what is left once the second set has started as long, the run
+    wrapped up and each replay's last answers come in; at least the first request."""
+    window_s = (left_s - startup_s - _WRAP_UP_S) / len(POLICIES) - _TAIL_S
+    fitted = [r for r in trace if r.timestamp_ms / 1000 / speed <= window_s]
+    return fitted or trace[:1]
 
 
 async def drive(
@@ -314,30 +361,50 @@ def _terminate_on_sigterm() -> Iterator[None]:
 def run_demo(options: DemoOptions, out: IO[str] = sys.stdout) -> dict[str, dict[str, Any]]:
     """Run the demo (see the module docstring); returns the summary per policy."""
     started = time.monotonic()
+    deadline = None if options.duration_s is None else started + options.duration_s
     if not port_is_free(options.port):
         raise DemoError(f"port {options.port} is in use; choose another with --port")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
     trace = load_trace(options.trace, limit=options.requests)
+
+    def say(text: str) -> None:
+        print(text, file=out, flush=True)
+
+    log_dir = Path(tempfile.mkdtemp(prefix="kvmesh-demo-"))
+    procs = Processes(log_dir)
+    clean = False
+    try:
+        with _terminate_on_sigterm():
+            summaries = _run(options, trace, procs, deadline, say)
+        clean = True
+    finally:
+        # The children are stopped by now (their exit statuses recorded), Redis too.
+        if clean and not procs.failures:
+            shutil.rmtree(log_dir, ignore_errors=True)
+        else:
+            say(f"kvmesh demo: logs kept in {log_dir}")
+    if procs.failures:
+        raise DemoFailed("; ".join(procs.failures))
+    return summaries
+
+
+def _run(
+    options: DemoOptions,
+    trace: list[TraceRequest],
+    procs: Processes,
+    deadline: float | None,
+    say: Callable[[str], None],
+) -> dict[str, dict[str, Any]]:
     tokens = TokenSource(seed=0)
     longest = max(r.input_length for r in trace) + options.max_output_tokens
     max_seq_len = -(-longest // 16) * 16
     admin_token = secrets.token_urlsafe(16)
     summaries: dict[str, dict[str, Any]] = {}
-
-    def say(text: str) -> None:
-        print(text, file=out, flush=True)
-
-    with (
-        _terminate_on_sigterm(),
-        tempfile.TemporaryDirectory(prefix="kvmesh-demo-") as tmp,
-        contextlib.ExitStack() as stack,
-    ):
-        log_dir = Path(tmp)
+    with contextlib.ExitStack() as stack:
         redis_url = options.redis_url
         if redis_url is None:
             redis = stack.enter_context(EmbeddedRedis())
             redis_url = redis.url
-        procs = Processes(log_dir)
         stack.callback(procs.stop_all)  # before Redis stops: workers flush on the way out
         base = f"http://127.0.0.1:{options.port}"
         pid = procs.start(
@@ -349,15 +416,20 @@ def run_demo(options: DemoOptions, out: IO[str] = sys.stdout) -> dict[str, dict[
         _wait_until(
             lambda: httpx.get(f"{base}/health").status_code == 200, "the router", procs, ["router"]
         )
-        say(f"kvmesh demo: dashboard at {base}/dashboard (logs in {log_dir})")
+        say(
+            f"kvmesh demo: dashboard at {base}/dashboard (logs in {procs.log_dir}, deleted at "
+            "exit unless something fails)"
+        )
         if options.browser:
             with contextlib.suppress(Exception):
                 webbrowser.open(f"{base}/dashboard")
         auth = {"Authorization": f"Bearer {admin_token}"}
         workers: list[str] = []
+        replayed = trace
         for phase, policy in enumerate(POLICIES):
             if workers:
                 procs.stop(workers)
+            starting = time.monotonic()
             workers = [f"{policy.replace('_', '-')}-{i}" for i in range(options.workers)]
             for worker in workers:
                 port = _free_port()
@@ -385,14 +457,26 @@ def run_demo(options: DemoOptions, out: IO[str] = sys.stdout) -> dict[str, dict[
                 procs,
                 ["router", *workers],
             )
+            if phase == 0 and deadline is not None:
+                # Decided once, so that both policies replay the same requests.
+                now = time.monotonic()
+                replayed = fit_to_time(
+                    trace, speed=options.speed, left_s=deadline - now, startup_s=now - starting
+                )
+                if len(replayed) < len(trace):
+                    say(
+                        f"  --duration {options.duration_s:g}: each policy replays the first "
+                        f"{len(replayed)} of {len(trace)} requests, to end in time"
+                    )
             say(
-                f"[{phase + 1}/{len(POLICIES)}] {policy}: {len(trace)} requests through "
-                f"{options.workers} fresh workers ..."
+                f"[{phase + 1}/{len(POLICIES)}] {policy}: {len(replayed)} "
+                f"request{'s' if len(replayed) != 1 else ''} through {options.workers} fresh "
+                "workers ..."
             )
             results = asyncio.run(
                 drive(
                     base,
-                    trace,
+                    replayed,
                     tokens,
                     speed=options.speed,
                     max_output_tokens=options.max_output_tokens,
@@ -407,14 +491,13 @@ def run_demo(options: DemoOptions, out: IO[str] = sys.stdout) -> dict[str, dict[
         say("")
         say(format_table(summaries))
         say("")
-        if options.duration_s is None:
+        if deadline is None:
             say(f"serving at {base} (dashboard: {base}/dashboard); Ctrl-C to stop")
-            while True:
-                for name in list(procs.procs):
-                    procs.check(name)
-                time.sleep(0.5)
-        remaining = options.duration_s - (time.monotonic() - started)
-        if remaining > 0:
-            say(f"serving at {base} for {remaining:.0f} s more")
-            time.sleep(remaining)
+        elif deadline > time.monotonic():
+            say(f"serving at {base} for {deadline - time.monotonic():.0f} s more")
+        while deadline is None or time.monotonic() < deadline:
+            for name in list(procs.procs):
+                procs.check(name)
+            left = math.inf if deadline is None else deadline - time.monotonic()
+            time.sleep(min(0.5, max(left, 0.0)))
     return summaries

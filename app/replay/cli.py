@@ -78,14 +78,28 @@ def _weight(text: str) -> tuple[str, float]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Every flag of ``kvmesh replay``, each with a help that gives its default."""
     t = REPLAY_TIMING
     defaults = ClusterConfig()
     parser.add_argument("--trace", required=True, type=Path, help="Mooncake-format JSONL trace")
-    parser.add_argument("--workers", type=_positive_int, default=defaults.num_workers)
     parser.add_argument(
-        "--blocks-per-worker", type=_positive_int, default=defaults.blocks_per_worker
+        "--workers",
+        type=_positive_int,
+        default=defaults.num_workers,
+        help=f"simulated workers (default: {defaults.num_workers})",
     )
-    parser.add_argument("--tokens-per-block", type=_positive_int, default=defaults.tokens_per_block)
+    parser.add_argument(
+        "--blocks-per-worker",
+        type=_positive_int,
+        default=defaults.blocks_per_worker,
+        help=f"KV cache blocks of each worker (default: {defaults.blocks_per_worker})",
+    )
+    parser.add_argument(
+        "--tokens-per-block",
+        type=_positive_int,
+        default=defaults.tokens_per_block,
+        help=f"tokens per KV cache block (default: {defaults.tokens_per_block})",
+    )
     parser.add_argument(
         "--policy",
         action="append",
@@ -93,45 +107,80 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"a routing policy, or {POOLED} (repeat; default: {', '.join(DEFAULT_POLICIES)})",
     )
     parser.add_argument(
-        "--speed", type=_positive_float, default=1.0, help="trace time per virtual second"
+        "--speed",
+        type=_positive_float,
+        default=1.0,
+        help="trace time per virtual second (default: 1)",
     )
-    parser.add_argument("--limit", type=_positive_int, help="replay the first N requests only")
-    parser.add_argument("--seed", type=int, default=0, help="token generator and policy seed")
-    parser.add_argument("--plot", type=Path, metavar="DIR", help="write PNG plots here")
-    parser.add_argument("--json", action="store_true", help="print one JSON line last")
+    parser.add_argument(
+        "--limit", type=_positive_int, help="replay the first N requests only (default: all)"
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, help="token generator and policy seed (default: 0)"
+    )
+    parser.add_argument(
+        "--plot", type=Path, metavar="DIR", help="write PNG plots here (default: none)"
+    )
+    parser.add_argument(
+        "--json", action="store_true", help="print one JSON line last (default: tables only)"
+    )
     parser.add_argument(
         "--jobs", type=_positive_int, help="processes (default: policies, up to the CPU count)"
     )
-    timing = parser.add_argument_group("simulated worker (defaults: see app.replay.cluster)")
+    # The defaults are app.replay.cluster's (REPLAY_TIMING: a ~70B model on one node).
+    timing = parser.add_argument_group("simulated worker")
     timing.add_argument(
-        "--step-overhead-ms", type=_non_negative_float, default=t.step_overhead_s * 1e3
+        "--step-overhead-ms",
+        type=_non_negative_float,
+        default=t.step_overhead_s * 1e3,
+        help=f"fixed time of an engine step (default: {t.step_overhead_s * 1e3:g})",
     )
     timing.add_argument(
-        "--prefill-us-per-token", type=_non_negative_float, default=t.prefill_s_per_token * 1e6
+        "--prefill-us-per-token",
+        type=_non_negative_float,
+        default=t.prefill_s_per_token * 1e6,
+        help=f"time per uncached prompt token (default: {t.prefill_s_per_token * 1e6:g})",
     )
     timing.add_argument(
         "--decode-us-per-sequence",
         type=_non_negative_float,
         default=t.decode_s_per_sequence * 1e6,
+        help=f"time per decoding sequence in a step (default: {t.decode_s_per_sequence * 1e6:g})",
     )
     timing.add_argument(
-        "--max-tokens-per-step", type=_positive_int, default=defaults.max_tokens_per_step
+        "--max-tokens-per-step",
+        type=_positive_int,
+        default=defaults.max_tokens_per_step,
+        help="token budget of one step, prefill chunks and decodes "
+        f"(default: {defaults.max_tokens_per_step})",
     )
-    timing.add_argument("--max-batch-size", type=_positive_int, default=defaults.max_batch_size)
+    timing.add_argument(
+        "--max-batch-size",
+        type=_positive_int,
+        default=defaults.max_batch_size,
+        help=f"most sequences running at once (default: {defaults.max_batch_size})",
+    )
     timing.add_argument(
         "--partial-reuse",
         action="store_true",
-        help="reuse partially matching blocks (the worker's default; off: whole blocks only)",
+        help="reuse partially matching blocks, as kvmesh worker does by default "
+        "(default here: off, whole blocks only)",
     )
     router = parser.add_argument_group("router")
-    router.add_argument("--predict-ttl-s", type=_non_negative_float, default=defaults.predict_ttl_s)
+    router.add_argument(
+        "--predict-ttl-s",
+        type=_non_negative_float,
+        default=defaults.predict_ttl_s,
+        help="seconds a decision's blocks count as cached before their events "
+        f"(default: {defaults.predict_ttl_s:g})",
+    )
     router.add_argument(
         "--weight",
         type=_weight,
         action="append",
         default=[],
         metavar="NAME=VALUE",
-        help=f"a policy weight (repeat): {', '.join(_WEIGHT_NAMES)}",
+        help=f"a policy weight (repeat): {', '.join(_WEIGHT_NAMES)} (default: the router's)",
     )
 
 

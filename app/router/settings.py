@@ -3,13 +3,15 @@
 Every field is also a ``kvmesh router`` flag (``--load-weight`` for ``load_weight``; ``app.cli``
 builds the flags from this model), except the admin token (``KVMESH_ADMIN_TOKEN`` only, so that
 it never shows in a process list). A flag wins over the variable, the variable over the default.
+A ``--tokenizer`` that is missing or does not load is refused here, before anything starts.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from app.router.policy import Weights
@@ -48,7 +50,9 @@ class RouterSettings(Settings):
         None, ge=1, description="block size to hash prompts with (default: the workers')"
     )
     tokenizer: str | None = Field(
-        None, description="a Hugging Face tokenizer.json for text prompts (token ids need none)"
+        None,
+        description="a Hugging Face tokenizer.json for text prompts (default: none; token ids "
+        "need none)",
     )
     load_interval_s: float = Field(0.1, gt=0, description="how often to read the workers' load")
     sync_interval_s: float = Field(0.05, gt=0, description="how often to take the consumer's view")
@@ -63,6 +67,34 @@ class RouterSettings(Settings):
     retry_after_s: int = Field(1, ge=0, description="Retry-After of a 503 when no worker is up")
     max_body_bytes: int = Field(8 << 20, ge=1_024, description="largest request body accepted")
     max_prompt_tokens: int = Field(1 << 20, ge=1, description="longest prompt accepted")
+
+    @field_validator("tokenizer", mode="before")
+    @classmethod
+    def _empty_tokenizer_is_unset(cls, value: object) -> object:
+        return None if value == "" else value  # KVMESH_TOKENIZER= (as for REDIS_URL=)
+
+    @field_validator("tokenizer")
+    @classmethod
+    def _tokenizer_loads(cls, value: str | None) -> str | None:
+        # Loaded once here and once more by the router at start (it is small): the settings
+        # stay plain data, and a bad file is one line at start, not a traceback from serving.
+        if value is None:
+            return None
+        path = Path(value)
+        if not path.exists():
+            raise ValueError(f"{value}: no such file")
+        if not path.is_file():
+            raise ValueError(f"{value}: not a file")
+        from tokenizers import Tokenizer
+
+        try:
+            Tokenizer.from_file(value)
+        except Exception as exc:  # tokenizers raises a bare Exception for any parse error
+            reason = " ".join(str(exc).split())
+            raise ValueError(
+                f"{value}: not a tokenizer.json the tokenizers library can load ({reason})"
+            ) from None
+        return value
 
     @model_validator(mode="after")
     def _weights_valid(self) -> RouterSettings:

@@ -86,13 +86,22 @@ class WorkerSettings(Settings):
     device: str = Field("cpu", description="torch device of the primary pool, e.g. cuda:0")
 
     num_gpu_blocks: int | None = Field(
-        None, gt=0, description="primary (GPU) blocks; or give --gpu-memory-gib"
+        None,
+        gt=0,
+        description="primary (GPU) blocks; or give --gpu-memory-gib "
+        f"(default: {DEFAULT_GPU_BLOCKS['tiny']} for --model tiny)",
     )
     num_host_blocks: int | None = Field(
-        None, ge=0, description="secondary (host) blocks; or give --host-memory-gib (default 0)"
+        None,
+        ge=0,
+        description="secondary (host) blocks; or give --host-memory-gib (default: 0)",
     )
-    gpu_memory_gib: float | None = Field(None, gt=0, description="primary KV cache budget, GiB")
-    host_memory_gib: float | None = Field(None, ge=0, description="host KV cache budget, GiB")
+    gpu_memory_gib: float | None = Field(
+        None, gt=0, description="primary KV cache budget, GiB (default: unset; blocks as above)"
+    )
+    host_memory_gib: float | None = Field(
+        None, ge=0, description="host KV cache budget, GiB (default: unset; blocks as above)"
+    )
     allocate_pools: bool = Field(
         True, description="allocate the KV pools (off: block metadata only, for simulations)"
     )

@@ -1,17 +1,19 @@
-"""``kvmesh demo`` as a real process: the comparison it prints, and a clean exit that leaves no
-process or port behind, whether it finishes or is stopped with SIGTERM half way."""
+"""``kvmesh demo`` as a real process: the comparison it prints within ``--duration``, a clean
+exit that leaves no process, port or log folder behind, and what it leaves when something fails
+(the logs, and where they are): a child that exits, or SIGTERM half way."""
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from app.demo.runner import DEMO_TRACE, PhaseResult, RequestResult, port_is_free
+from app.demo.runner import DEMO_TRACE, PhaseResult, RequestResult, fit_to_time, port_is_free
 from app.replay.trace import load_trace
 from tests.app.worker_support import free_port
 
@@ -33,8 +35,11 @@ def _children_alive(marker: str) -> list[str]:
     return found
 
 
-def _demo(port: int, *extra: str) -> subprocess.Popen[str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "KVMESH_REDIS_URL")}
+def _demo(port: int, *extra: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    env = {
+        **{k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "KVMESH_REDIS_URL")},
+        **(env or {}),
+    }
     return subprocess.Popen(
         [KVMESH, "demo", "--no-browser", "--port", str(port), "--workers", "2", *extra],
         stdout=subprocess.PIPE,
@@ -48,26 +53,66 @@ def _pids(output: str) -> list[int]:
     return [int(pid) for pid in re.findall(r": pid (\d+)", output)]
 
 
-def test_the_demo_compares_the_policies_and_leaves_nothing_behind() -> None:
+def _log_dir(output: str) -> Path:
+    found = re.search(r"\(logs in (\S+), deleted at exit unless something fails\)", output)
+    assert found is not None, output
+    return Path(found.group(1))
+
+
+def test_the_demo_compares_the_policies_within_its_duration_and_leaves_nothing_behind() -> None:
     port = free_port()
-    proc = _demo(port, "--requests", "200", "--duration", "20")
+    started = time.monotonic()
+    proc = _demo(port, "--duration", "30")
     try:
         output, _ = proc.communicate(timeout=300)
     finally:
         proc.kill()
+    elapsed = time.monotonic() - started
     assert proc.returncode == 0, output
     assert f"dashboard at http://127.0.0.1:{port}/dashboard" in output
+    # The whole workload takes about a minute: 30 s leave each policy its first few seconds.
+    cut = re.search(r"--duration 30: each policy replays the first (\d+) of 192 requests", output)
+    assert cut is not None, output
+    replayed = cut.group(1)
     lines = output.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("policy"))
     rows = {line.split()[0]: line.split() for line in lines[header + 1 : header + 3]}
     assert sorted(rows) == ["kv_aware", "round_robin"]
     for row in rows.values():
-        assert row[-2:] == ["192", "0"]  # requests (the whole built-in workload), failed
+        assert row[-2:] == [replayed, "0"]  # requests (the same for both), failed
     assert float(rows["kv_aware"][1]) > float(rows["round_robin"][1])
+    # About 30 s; the whole workload, which --duration used not to cut, took over 60 s here.
+    assert elapsed < 30 + 15, output
     pids = _pids(output)
     assert len(pids) == 1 + 2 * 2  # the router, then two workers per policy
     assert [pid for pid in pids if Path(f"/proc/{pid}").exists()] == []
     assert port_is_free(port)
+    assert not _log_dir(output).exists()  # a clean run deletes its logs
+    assert "logs kept" not in output
+
+
+def test_a_worker_that_exits_fails_the_demo_and_keeps_the_logs() -> None:
+    port = free_port()
+    # Inherited by the children: the worker refuses it (and exits 2); the router ignores it.
+    proc = _demo(port, "--workers", "1", "--duration", "0", env={"KVMESH_MAX_QUEUE_LEN": "-1"})
+    try:
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    log_dir = _log_dir(output)
+    try:
+        assert proc.returncode == 1, output
+        assert f"kvmesh demo: logs kept in {log_dir}\n" in output
+        assert "kvmesh demo: kv-aware-0 exited with status 2:\n" in output
+        assert sorted(path.name for path in log_dir.iterdir()) == ["kv-aware-0.log", "router.log"]
+        assert (log_dir / "kv-aware-0.log").read_text() == (
+            "kvmesh worker: --max-queue-len (KVMESH_MAX_QUEUE_LEN): Input should be greater "
+            "than or equal to 0\n"
+        )
+        assert [pid for pid in _pids(output) if Path(f"/proc/{pid}").exists()] == []
+        assert port_is_free(port)
+    finally:
+        shutil.rmtree(log_dir, ignore_errors=True)
 
 
 def test_sigterm_half_way_stops_everything(tmp_path: Path) -> None:
@@ -90,6 +135,34 @@ def test_sigterm_half_way_stops_everything(tmp_path: Path) -> None:
     assert port_is_free(port)
     assert _children_alive("--worker-id kv-aware-") == []
     assert _children_alive(f"--port {port}") == []
+    log_dir = _log_dir(seen)
+    try:  # stopped half way: the logs are kept, and the last line says where
+        assert seen.splitlines()[-2:] == [
+            f"kvmesh demo: logs kept in {log_dir}",
+            "kvmesh demo: stopped",
+        ]
+        assert sorted(path.name for path in log_dir.iterdir()) == [
+            "kv-aware-0.log",
+            "kv-aware-1.log",
+            "router.log",
+        ]
+    finally:
+        shutil.rmtree(log_dir, ignore_errors=True)
+
+
+def test_fit_to_time_cuts_the_workload_to_the_time_left() -> None:
+    trace = load_trace(DEMO_TRACE)
+    # 20 s left, the first workers took 4 s: (20 - 4 - 3) / 2 - 3 = 3.5 s of replay each, at
+    # 85x the requests of the first 297.5 s of the trace: 74, the last at 291 s (the next: 300).
+    fitted = fit_to_time(trace, speed=85, left_s=20, startup_s=4)
+    assert fitted == trace[:74]
+    assert (fitted[-1].timestamp_ms, trace[74].timestamp_ms) == (291_000, 300_000)
+    # Twice the speed, twice the trace time in the same seconds.
+    assert fit_to_time(trace, speed=170, left_s=20, startup_s=4) == trace[:135]
+    # Time enough: all of it; none left: the first request still (a run that compares nothing
+    # would tell nothing, a run of one request tells that it works).
+    assert fit_to_time(trace, speed=85, left_s=1_000, startup_s=4) == trace
+    assert fit_to_time(trace, speed=85, left_s=0, startup_s=4) == trace[:1]
 
 
 def test_phase_summary_figures() -> None:
