@@ -7,6 +7,7 @@ that must look the same on every service.
 
 from __future__ import annotations
 
+import json
 import secrets
 from collections.abc import Callable, Coroutine
 from typing import Annotated, Any
@@ -61,14 +62,32 @@ class OrjsonResponse(JSONResponse):
 class _OrjsonRequest(Request):
     async def json(self) -> Any:
         if not hasattr(self, "_json"):
-            self._json = orjson.loads(await self.body())
+            body = await self.body()
+            try:
+                self._json = orjson.loads(body)
+            except orjson.JSONDecodeError as exc:
+                raise _placed(exc, body) from None
         return self._json
+
+
+def _placed(exc: json.JSONDecodeError, body: bytes) -> json.JSONDecodeError:
+    """orjson's decode error, or for bytes that are not UTF-8 one that says which byte and
+    where: orjson reports those at character 0 whatever their place."""
+    try:
+        body.decode()
+    except UnicodeDecodeError as bad:
+        before = body[: bad.start].decode()
+        return json.JSONDecodeError(
+            f"invalid UTF-8 (byte 0x{body[bad.start]:02X})", before, len(before)
+        )
+    return exc
 
 
 class OrjsonRoute(APIRoute):
     """A route that parses its JSON body with orjson: the standard library's decoder was an
     eighth of the worker's time on 4,096-token prompts. orjson's decode error subclasses
-    ``json.JSONDecodeError``, so a malformed body is still the framework's 400."""
+    ``json.JSONDecodeError``, so a malformed body is still the framework's 400 (see
+    ``install_error_handlers`` for its message)."""
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()
@@ -105,13 +124,65 @@ def admin_dependency(token: SecretStr | None, service: str) -> Any:
     return Depends(require_admin)
 
 
+def _json_kind(value: Any) -> str:
+    """The JSON name of a decoded value's type, with its article."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):  # before int: bool is an int
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, str):
+        return "a string"
+    return type(value).__name__  # not from JSON: decoding gives only the types above
+
+
+def _body_error(request: Request, exc: RequestValidationError, first: dict[str, Any]) -> str | None:
+    """The message for an error about the body as a whole (malformed, empty, not an object),
+    or None for one about a field. ``param`` is null for these: OpenAI's ``param`` names a
+    field, and the framework's ``loc`` here is ("body", character offset) or ("body",)."""
+    loc = tuple(first.get("loc", ()))
+    kind = first.get("type")
+    if kind == "json_invalid":
+        # FastAPI's: loc ("body", e.pos), ctx {"error": e.msg}, exc.body = e.doc (the text).
+        pos = loc[1] if len(loc) > 1 and isinstance(loc[1], int) else 0
+        reason = (first.get("ctx") or {}).get("error") or "malformed"
+        doc = exc.body if isinstance(exc.body, str) else ""
+        line = doc.count("\n", 0, pos) + 1
+        column = pos - doc.rfind("\n", 0, pos)  # rfind is -1 on the first line: 1-based
+        return (
+            f"the body is not valid JSON: {reason} at line {line} column {column} (character {pos})"
+        )
+    if loc != ("body",):
+        return None
+    if kind == "missing":  # FastAPI reads an empty body as no body at all
+        return "the body is empty: send a JSON object"
+    value = first.get("input")
+    if isinstance(value, bytes):  # not parsed: the content type is not JSON
+        given = request.headers.get("content-type")
+        has = f"content-type: {given}" if given else "no content-type"
+        return (
+            "the body must be a JSON object sent with content-type: application/json; this "
+            f"request has {has}"
+        )
+    if isinstance(value, dict):
+        return None
+    return f"the body must be a JSON object, not {_json_kind(value)}"
+
+
 def install_error_handlers(app: FastAPI) -> None:
-    """400 for a request the schema refuses (naming the field), and OpenAI's shape for the
-    framework's HTTPExceptions (401 with ``WWW-Authenticate``, 403, 404, 405, 413)."""
+    """400 for a request the schema refuses (naming the field; for a body that is malformed,
+    empty or not an object, saying what and where, with a null ``param``), and OpenAI's shape
+    for the framework's HTTPExceptions (401 with ``WWW-Authenticate``, 403, 404, 405, 413)."""
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> Response:
         first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+        whole = _body_error(request, exc, dict(first))
+        if whole is not None:
+            return error(400, whole, "invalid_request_error", None)
         loc = [str(part) for part in first.get("loc", ()) if part not in ("body", "query", "path")]
         param = ".".join(loc) or None
         text = str(first.get("msg")).removeprefix("Value error, ")  # pydantic's, for validators

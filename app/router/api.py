@@ -431,6 +431,7 @@ class RouteFastPath:
             or scope["path"] != "/route"
             or scope["method"] != "POST"
             or scope["query_string"]
+            or not _json_content(scope)
         ):
             await self.app(scope, receive, send)
             return
@@ -459,6 +460,18 @@ class RouteFastPath:
             }
         )
         await send({"type": "http.response.body", "body": answer})
+
+
+def _json_content(scope: Scope) -> bool:
+    """Whether FastAPI would parse this body as JSON (its strict content type: a JSON media
+    type, not a missing one); when not, the route refuses the body, and so must this path."""
+    for name, value in scope["headers"]:
+        if name == b"content-type":
+            kind = value.split(b";", 1)[0].strip().lower()
+            return kind == b"application/json" or (
+                kind.startswith(b"application/") and kind.endswith(b"+json")
+            )
+    return False
 
 
 def _replay(body: bytes) -> Receive:

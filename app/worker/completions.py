@@ -41,6 +41,45 @@ def _retention(spec: schemas.Retention) -> RetentionConfig:
         raise BadRequest("retention", f"retention: {exc}") from None
 
 
+def _check_length(
+    prompt_tokens: int, max_tokens: int, shape: ModelShape, capacity_blocks: int
+) -> None:
+    """The prompt and its completion must fit the model's window and the worker's cache. The
+    error names the field to change: ``prompt`` when the prompt leaves no room for even one
+    generated token (max_tokens is at least 1, so no max_tokens would do), else ``max_tokens``
+    (as vLLM words it)."""
+    window = shape.max_seq_len
+    if prompt_tokens >= window:
+        raise BadRequest(
+            "prompt",
+            f"prompt: {prompt_tokens} tokens; this model's window is {window} tokens "
+            f"(prompt + max_tokens), so a prompt takes at most {window - 1}",
+        )
+    total = prompt_tokens + max_tokens
+    if total > window:
+        raise BadRequest(
+            "max_tokens",
+            f"max_tokens: this model's maximum context length is {window} tokens; you "
+            f"requested {total} tokens ({prompt_tokens} in the prompt, {max_tokens} in the "
+            f"completion): lower max_tokens to at most {window - prompt_tokens}",
+        )
+    tpb = shape.tokens_per_block
+    least = -(-(prompt_tokens + 1) // tpb)
+    if least > capacity_blocks:
+        raise BadRequest(
+            "prompt",
+            f"prompt: {prompt_tokens} tokens and one generated need {least} KV cache blocks, "
+            f"the worker has {capacity_blocks}",
+        )
+    need = -(-total // tpb)
+    if need > capacity_blocks:
+        raise BadRequest(
+            "max_tokens",
+            f"max_tokens: the request needs {need} KV cache blocks, the worker has "
+            f"{capacity_blocks}",
+        )
+
+
 def make_job(body: schemas.CompletionRequest, shape: ModelShape, capacity_blocks: int) -> Job:
     """Check a completion request against the model and the cache size; a Job or BadRequest."""
     prompt = body.prompt
@@ -61,21 +100,7 @@ def make_job(body: schemas.CompletionRequest, shape: ModelShape, capacity_blocks
             f"prompt: token id {bad} at index {tokens.index(bad)} is outside the vocabulary "
             f"0..{shape.vocab_size - 1}",
         )
-    total = len(tokens) + body.max_tokens
-    if total > shape.max_seq_len:
-        raise BadRequest(
-            "max_tokens",
-            f"max_tokens: {len(tokens)} prompt tokens + {body.max_tokens} max_tokens = {total} "
-            f"exceeds the model's window of {shape.max_seq_len} tokens",
-        )
-    tpb = shape.tokens_per_block
-    need = -(-total // tpb)
-    if need > capacity_blocks:
-        raise BadRequest(
-            "max_tokens",
-            f"max_tokens: the request needs {need} KV cache blocks, the worker has "
-            f"{capacity_blocks}",
-        )
+    _check_length(len(tokens), body.max_tokens, shape, capacity_blocks)
     retention = _retention(body.retention) if body.retention is not None else None
     return Job(
         job_id=body.request_id or f"cmpl-{uuid.uuid4().hex}",

@@ -386,8 +386,11 @@ async def test_worker_refuses_a_prompt_over_its_window(clean_redis_url: str) -> 
         over = await client.post("/v1/completions", json={"prompt": [1] * 129, "max_tokens": 1})
         assert not rt.engine.jobs
     assert over.status_code == 400, over.text
-    assert over.json()["error"]["param"] == "max_tokens"
-    assert over.json()["error"]["message"].startswith("max_tokens: 129 prompt tokens + 1")
+    assert over.json()["error"]["param"] == "prompt"
+    assert over.json()["error"]["message"] == (
+        "prompt: 129 tokens; this model's window is 128 tokens (prompt + max_tokens), "
+        "so a prompt takes at most 127"
+    )
 
 
 # -- the dashboard is read-only ------------------------------------------------------------------

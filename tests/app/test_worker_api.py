@@ -176,9 +176,23 @@ BAD_INPUTS: list[tuple[dict[str, Any], int, str, str | None]] = [
     (
         {"prompt": [1] * 1000, "max_tokens": 25},
         400,
-        "max_tokens: 1000 prompt tokens + 25 max_tokens = 1025 exceeds the model's window of "
-        "1024 tokens",
+        "max_tokens: this model's maximum context length is 1024 tokens; you requested 1025 "
+        "tokens (1000 in the prompt, 25 in the completion): lower max_tokens to at most 24",
         "max_tokens",
+    ),
+    (
+        {"prompt": [1] * 1025, "max_tokens": 1},
+        400,
+        "prompt: 1025 tokens; this model's window is 1024 tokens (prompt + max_tokens), so a "
+        "prompt takes at most 1023",
+        "prompt",
+    ),
+    (  # the prompt fits the window but leaves no room for a single generated token
+        {"prompt": [1] * 1024, "max_tokens": 1},
+        400,
+        "prompt: 1024 tokens; this model's window is 1024 tokens (prompt + max_tokens), so a "
+        "prompt takes at most 1023",
+        "prompt",
     ),
     (
         {"prompt": [1], "max_tokens": 0},
@@ -234,12 +248,29 @@ async def test_bad_completion_requests_get_a_4xx_and_leave_no_trace(
 
 
 async def test_a_request_bigger_than_the_cache_is_refused(clean_redis_url: str) -> None:
+    """4 blocks of 16 tokens: 63 prompt tokens and 2 generated need 5 (max_tokens is what to
+    lower), 64 and even 1 generated need 5 too (the prompt is what to shorten)."""
     async with worker_client(worker_settings(clean_redis_url, num_gpu_blocks=4)) as (client, _):
-        response = await client.post("/v1/completions", json={"prompt": [1] * 64, "max_tokens": 1})
-    assert response.status_code == 400
-    assert response.json()["error"]["message"] == (
-        "max_tokens: the request needs 5 KV cache blocks, the worker has 4"
-    )
+        completion = await client.post(
+            "/v1/completions", json={"prompt": [1] * 63, "max_tokens": 2}
+        )
+        prompt = await client.post("/v1/completions", json={"prompt": [1] * 64, "max_tokens": 1})
+        fits = await client.post("/v1/completions", json={"prompt": [1] * 63, "max_tokens": 1})
+    assert completion.status_code == 400
+    assert completion.json()["error"] == {
+        "message": "max_tokens: the request needs 5 KV cache blocks, the worker has 4",
+        "type": "invalid_request_error",
+        "param": "max_tokens",
+        "code": None,
+    }
+    assert prompt.status_code == 400
+    assert prompt.json()["error"] == {
+        "message": "prompt: 64 tokens and one generated need 5 KV cache blocks, the worker has 4",
+        "type": "invalid_request_error",
+        "param": "prompt",
+        "code": None,
+    }
+    assert fits.status_code == 200, fits.text
 
 
 async def test_malformed_json_and_oversized_bodies(clean_redis_url: str) -> None:
@@ -252,7 +283,13 @@ async def test_malformed_json_and_oversized_bodies(clean_redis_url: str) -> None
         )
         big = await client.post("/v1/completions", json={"prompt": [1] * 600})
     assert broken.status_code == 400
-    assert broken.json()["error"]["type"] == "invalid_request_error"
+    assert broken.json()["error"] == {
+        "message": "the body is not valid JSON: unexpected character, expected a string key at "
+        "line 1 column 2 (character 1)",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": None,
+    }
     assert big.status_code == 413
     assert big.json()["error"]["message"] == "request body is larger than 1000 bytes"
 
