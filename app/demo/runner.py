@@ -60,7 +60,7 @@ import httpx
 import numpy as np
 import orjson
 
-from app.redis_server import EmbeddedRedis
+from app.redis_server import EmbeddedRedis, death_signal_preexec
 from app.replay.report import load_imbalance
 from app.replay.trace import TokenSource, TraceRequest, load_trace
 
@@ -146,11 +146,14 @@ class PhaseResult:
             return 1.0
         windows = int(max(r.arrival_s for r in ok) // IMBALANCE_WINDOW_S) + 1
         load = np.zeros((windows, len(workers)), dtype=np.int64)
+        largest = np.zeros(windows, dtype=np.int64)  # one request's prefill cannot be split
         column = {w: i for i, w in enumerate(workers)}
         for r in ok:
             window = int(r.arrival_s // IMBALANCE_WINDOW_S)
-            load[window, column[r.worker]] += r.prompt_tokens - r.cached_tokens
-        return load_imbalance(load)
+            computed = r.prompt_tokens - r.cached_tokens
+            load[window, column[r.worker]] += computed
+            largest[window] = max(largest[window], computed)
+        return load_imbalance(load, largest)
 
 
 # -- processes ---------------------------------------------------------------------------------
@@ -173,6 +176,7 @@ class Processes:
             stderr=subprocess.STDOUT,
             env={**os.environ, **(env or {})},
             start_new_session=True,  # Ctrl-C reaches the demo, which stops us in order
+            preexec_fn=death_signal_preexec(),  # and a demo killed by SIGKILL leaves no orphan
         )
         self.procs[name] = (proc, log)
         return proc.pid

@@ -162,6 +162,9 @@ class StepRecord:
     worker: int
     start_s: float
     prefill_tokens: int
+    # (trace index, tokens) per request prefilled in the step: the load imbalance needs the
+    # largest share of one request, which no placement can split between workers.
+    chunks: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(slots=True)
@@ -390,7 +393,8 @@ class _Cluster:
         num_prefill = sum(end - job.position for job, end in step.prefills)
         step.duration_s = worker.timing.step_time(num_prefill, len(step.decodes))
         if num_prefill:
-            self.prefill_steps.append(StepRecord(worker.index, self.now, num_prefill))
+            chunks = tuple((job.record.index, end - job.position) for job, end in step.prefills)
+            self.prefill_steps.append(StepRecord(worker.index, self.now, num_prefill, chunks))
         elif config.coalesce_decode and not admitted and len(step.decodes) == len(worker.running):
             # Pure decode and nothing admissible: identical steps until the first finish.
             step.num_steps = min(job.trace.output_length - job.generated for job in step.decodes)

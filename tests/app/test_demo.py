@@ -176,9 +176,16 @@ def test_phase_summary_figures() -> None:
     assert summary["hit_ratio"] == 210 / 400
     assert summary["ttft_p50_s"] == 0.2
     assert (summary["requests"], summary["failed"]) == (4, 1)
-    # window 0: a 100, b 40 -> 100 / 70; window 1: a 50, b 0 -> 50 / 25; weighted by 140 and 50
-    expected = (100 / 70 * 140 + 2.0 * 50) / 190
-    assert abs(summary["load_imbalance"] - expected) < 1e-12
+    # window 0: a 100, b 40: the busiest over max(mean 70, largest request 100) = 1.0;
+    # window 1: a 50, b 0: 50 over max(25, 50) = 1.0. Both as even as their requests allow.
+    assert summary["load_imbalance"] == 1.0
+    two = [
+        RequestResult(0.0, "a", 100, 0, 0.1, 0.5),
+        RequestResult(1.0, "a", 100, 0, 0.1, 0.5),
+        RequestResult(2.0, "b", 100, 0, 0.1, 0.5),
+    ]
+    # One window: a 200, b 100 -> 200 over max(150, 100).
+    assert PhaseResult("kv_aware", two).summary(["a", "b"])["load_imbalance"] == 200 / 150
 
 
 def test_the_built_in_workload_is_the_documented_cut() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
@@ -12,8 +13,14 @@ import numpy as np
 import pytest
 
 from app.cli import main as cli_main
-from app.replay.cluster import POOLED, ClusterConfig, RunResult, run_policy
-from app.replay.report import format_table, summarise
+from app.replay.cluster import POOLED, ClusterConfig, RunResult, StepRecord, run_policy
+from app.replay.report import (
+    format_table,
+    largest_prefill,
+    load_imbalance,
+    prefill_load,
+    summarise,
+)
 from app.replay.trace import (
     TRACE_BLOCK_TOKENS,
     TokenSource,
@@ -26,6 +33,7 @@ from app.worker.backend import SimTiming
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 SLICE = DATA / "mooncake_conversation_200.jsonl"
+DEMO_TRACE = Path(__file__).resolve().parents[2] / "app" / "demo" / "conversations.jsonl"
 TPB = 64
 NUM_WORKERS = 4
 BLOCKS_PER_WORKER = 20_000
@@ -277,6 +285,75 @@ def test_decode_coalescing_changes_nothing(trace: list[TraceRequest], tokens: To
         assert a.finished_s == pytest.approx(b.finished_s, rel=1e-9)
     queued = [r for r in fast.requests if r.first_token_s - r.arrival_s > 1.0]
     assert queued  # the case is not trivial
+
+
+# -- load imbalance ----------------------------------------------------------------------------
+
+
+def test_load_imbalance_by_hand() -> None:
+    """Three 60 s windows on 4 workers; chunks are (request, tokens)."""
+    steps = [
+        # window 0: a=100 on w0, b=40 on w1. Mean 35, but request a alone is 100: 1.0.
+        StepRecord(0, 0.0, 100, ((0, 100),)),
+        StepRecord(1, 10.0, 40, ((1, 40),)),
+        # window 1: w0 computes c=30+20 (two steps) and d=30: 80. Bound max(20, 50): 1.6.
+        StepRecord(0, 60.0, 60, ((2, 30), (3, 30))),
+        StepRecord(0, 61.0, 20, ((2, 20),)),
+        # window 2: four requests of 60, two of them on w3: 120 / max(60, 60) = 2.0.
+        StepRecord(1, 130.0, 60, ((4, 60),)),
+        StepRecord(2, 131.0, 60, ((5, 60),)),
+        StepRecord(3, 132.0, 60, ((6, 60),)),
+        StepRecord(3, 133.0, 60, ((7, 60),)),
+    ]
+    result = RunResult(
+        "hand", ClusterConfig(num_workers=4), [], steps, 8, 0, ["w0", "w1", "w2", "w3"]
+    )
+    load = prefill_load(result)
+    largest = largest_prefill(result)
+    assert load.tolist() == [[100, 40, 0, 0], [80, 0, 0, 0], [0, 60, 60, 120]]
+    assert largest.tolist() == [100, 50, 60]
+    # Ratios 1.0, 1.6 and 2.0 weighted by the windows' prefill, 140, 80 and 240.
+    expected = (1.0 * 140 + 1.6 * 80 + 2.0 * 240) / 460
+    assert summarise(result)["load_imbalance"] == pytest.approx(expected, rel=1e-12)
+    assert load_imbalance(load, largest) == pytest.approx(748 / 460, rel=1e-12)
+    # Over the mean alone (the bound before), windows 0 and 1 read 100/35 and 80/20.
+    assert load_imbalance(load) == pytest.approx((100 / 35 * 140 + 4 * 80 + 2 * 240) / 460)
+    with pytest.raises(ValueError, match=r"largest: shape \(2,\), the load has \(3,\)"):
+        load_imbalance(load, largest[:2])
+
+
+def test_one_request_a_window_is_balanced_whatever_the_policy(tokens: TokenSource) -> None:
+    """Four 20,000-token requests two minutes apart on 8 workers: each window holds one request
+    (prefilled in three steps of at most 8,192 tokens), which no placement can spread, so every
+    policy scores 1.0. Over the mean alone each window read 8.0, the number of workers."""
+    trace = [
+        TraceRequest(i, i * 120_000, 20_000, 4, tuple(range(100 * i, 100 * i + 40)))
+        for i in range(4)
+    ]
+    for policy in ("kv_aware", "round_robin"):
+        result = run_policy(trace, policy, ClusterConfig(), tokens)
+        load = prefill_load(result)
+        assert load.sum(axis=1).tolist() == [20_000, 0, 20_000, 0, 20_000, 0, 20_000]
+        assert len(result.prefill_steps) == 4 * 3
+        assert summarise(result)["load_imbalance"] == 1.0
+        assert load_imbalance(load) == 8.0
+
+
+def test_round_robin_on_the_demo_trace_is_balanced(tokens: TokenSource) -> None:
+    """The demo trace: 192 requests in 28.5 minutes, 6.6 a minute for 8 workers. Round robin
+    gives each worker 24; the bound of each window counts the request no placement can split,
+    so it scores below the issue's target of 1.5 (over the mean alone it read 2.65, for a
+    placement as even as requests allow). kv_aware sends every request to the worker that holds
+    the trace's shared first block (the cluster is ~1 % busy, so its load term never outweighs
+    the 512 tokens saved): it is less even than round robin, and the measure says so."""
+    trace = load_trace(DEMO_TRACE)
+    rr = run_policy(trace, "round_robin", ClusterConfig(), tokens)
+    kv = run_policy(trace, "kv_aware", ClusterConfig(), tokens)
+    assert sorted(Counter(r.worker for r in rr.requests).values()) == [24] * 8
+    assert len({r.worker for r in kv.requests}) == 1
+    rr_imbalance = summarise(rr)["load_imbalance"]
+    assert 1.0 < rr_imbalance < 1.5
+    assert summarise(kv)["load_imbalance"] > rr_imbalance
 
 
 # -- the CLI -----------------------------------------------------------------------------------
