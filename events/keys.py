@@ -9,6 +9,7 @@ slot and can be written in one pipeline (or one ``MULTI``) on a cluster too::
     kvmesh:{<worker>}:load              hash: active sequences, free/used blocks, queue depth
     kvmesh:{<worker>}:alive             heartbeat, "<epoch> <last event id>", with a TTL
     kvmesh:workers                      registry hash: worker id -> JSON entry
+    kvmesh:cordons                      hash: worker id -> JSON cordon (operators, via routers)
 
 Worker ids are checked (``validate_worker_id``) before any key is built, so a bad id fails
 with an ``InvalidWorkerIdError`` (``events.errors``; also a ``ValueError``) before any I/O.
@@ -23,6 +24,7 @@ from typing import Final
 from events.errors import InvalidWorkerIdError
 
 __all__ = [
+    "CORDONS_KEY",
     "MAX_WORKER_ID_LENGTH",
     "WORKERS_KEY",
     "alive_key",
@@ -36,6 +38,7 @@ __all__ = [
 
 PREFIX: Final = "kvmesh"
 WORKERS_KEY: Final = f"{PREFIX}:workers"
+CORDONS_KEY: Final = f"{PREFIX}:cordons"
 MAX_WORKER_ID_LENGTH: Final = 128
 
 _EVENTS_SUFFIX: Final = "}:events"

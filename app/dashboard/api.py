@@ -115,10 +115,13 @@ def worker_rows(runtime: RouterRuntime) -> list[dict[str, Any]]:
         state = states.get(entry["worker"])
         capacity = (state.info.get("capacity") if state is not None else None) or [0, 0]
         reused, computed = load.get("reused_tokens", 0), load.get("computed_tokens", 0)
+        cordon = entry.get("cordon")
         rows.append(
             {
                 "worker": entry["worker"],
-                "state": entry["state"],
+                # A drain an operator asked for is "drained" once nothing is left in flight.
+                "state": "drained" if cordon and cordon.get("done") else entry["state"],
+                "cordon": cordon,
                 "stale_reason": entry.get("stale_reason"),
                 "url": entry.get("url"),
                 "heartbeat_age_s": entry.get("heartbeat_age_s"),

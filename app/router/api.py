@@ -6,8 +6,10 @@ Errors are mapped to HTTP once, here, in OpenAI's shape::
     RequestValidationError, BadPrompt           400 (naming the field)
     missing bearer token                        401
     admin calls disabled, or a wrong token      403
+    UnknownWorkerError (fleet admin)            404
     body over max_body_bytes                    413
     NoWorkerError                               503 + Retry-After
+    FleetStoreError (Redis down, fleet admin)   503 (nothing was recorded)
 
 A worker's own answer (a 4xx about the request, say) is passed through as it came, with the
 worker's id in ``x-kvmesh-worker``. A worker that fails before answering (connection refused
@@ -45,7 +47,7 @@ from app.router import schemas
 from app.router.core import NoWorkerError
 from app.router.metrics import CONTENT_TYPE
 from app.router.policy import Candidate, Decision, Weights
-from app.router.service import RouterRuntime
+from app.router.service import FleetStoreError, RouterRuntime, UnknownWorkerError
 
 __all__ = ["BadPrompt", "install"]
 
@@ -367,6 +369,40 @@ def _cluster_router(runtime_settings: Any, *, routing: bool) -> APIRouter:
             runtime.core.weights = weights
             return OrjsonResponse(_policy_body(runtime))
 
+        fleet_errors = error_responses(401, 403, 404, 503)
+
+        @router.post(
+            "/workers/{worker_id}/cordon",
+            summary="No new requests to this worker from any router; those in flight finish "
+            "(admin; kept in Redis until uncordoned)",
+            dependencies=[admin],
+            responses=fleet_errors,
+            tags=["fleet"],
+        )
+        async def cordon(worker_id: str, runtime: Runtime) -> Response:
+            return OrjsonResponse(await runtime.cordon(worker_id, "cordoned"))
+
+        @router.post(
+            "/workers/{worker_id}/drain",
+            summary="Cordon, then the worker's own POST /drain; GET /workers reports what is "
+            "left in flight until done (admin)",
+            dependencies=[admin],
+            responses=fleet_errors,
+            tags=["fleet"],
+        )
+        async def drain(worker_id: str, runtime: Runtime) -> Response:
+            return OrjsonResponse(await runtime.cordon(worker_id, "draining"))
+
+        @router.post(
+            "/workers/{worker_id}/uncordon",
+            summary="Back in rotation; a drained worker is asked to admit again (admin)",
+            dependencies=[admin],
+            responses=fleet_errors,
+            tags=["fleet"],
+        )
+        async def uncordon(worker_id: str, runtime: Runtime) -> Response:
+            return OrjsonResponse(await runtime.uncordon(worker_id))
+
     @router.get("/health", summary="The process is up")
     async def health() -> Response:
         return OrjsonResponse({"status": "ok"})
@@ -400,6 +436,22 @@ def _install_error_handlers(app: FastAPI, retry_after_s: int) -> None:
     @app.exception_handler(BadPrompt)
     async def bad_prompt(request: Request, exc: BadPrompt) -> Response:
         return error(400, exc.message, "invalid_request_error", exc.param)
+
+    @app.exception_handler(UnknownWorkerError)
+    async def unknown_worker(request: Request, exc: UnknownWorkerError) -> Response:
+        worker = exc.args[0]
+        return error(
+            404,
+            f"no worker {worker!r}: GET /workers lists the workers this router follows",
+            "not_found_error",
+            "worker_id",
+        )
+
+    @app.exception_handler(FleetStoreError)
+    async def fleet_store_down(request: Request, exc: FleetStoreError) -> Response:
+        return error(
+            503, str(exc), "unavailable_error", None, **{"Retry-After": str(retry_after_s)}
+        )
 
     @app.exception_handler(NoWorkerError)
     async def no_worker(request: Request, exc: NoWorkerError) -> Response:

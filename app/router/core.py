@@ -6,8 +6,9 @@ responses; replay from its in-process cluster. The core owns:
 
 * the ``PrefixIndex`` (shared with the consumer that fills it; the core only reads it);
 * one ``WorkerView`` per worker that may take requests: URL, capacity, the load it last
-  reported, whether its data is fresh, and the router's own in-flight accounting (prompt tokens
-  sent and not prefilled yet, sequences and blocks in flight), which is newer than any report;
+  reported, whether its data is fresh, whether it drains or an operator cordoned it (then it
+  takes nothing new), and the router's own in-flight accounting (prompt tokens sent and not
+  prefilled yet, sequences and blocks in flight), which is newer than any report;
 * the predicted cache: right after a decision the chosen worker is assumed to hold the request's
   blocks for ``predict_ttl_s``, until its ``stored`` events reach the index, so that a burst of
   requests sharing a new prefix lands together instead of scattering;
@@ -44,7 +45,7 @@ from events.index import PrefixIndex
 
 __all__ = ["InFlight", "NoWorkerError", "RouterCore", "WorkerState", "WorkerView"]
 
-WorkerState = Literal["up", "stale", "draining"]
+WorkerState = Literal["up", "stale", "draining", "cordoned"]
 _NO_MATCH = (0, 0)
 
 
@@ -57,7 +58,8 @@ class WorkerView:
     worker: str
     url: str | None = None
     capacity_blocks: int = 0
-    draining: bool = False
+    draining: bool = False  # the worker said so in its registry entry
+    cordon: str | None = None  # "cordoned" or "draining": an operator's (app.router.fleet)
     stale_reason: str | None = None  # why its index data or load is not current; None: fresh
     load: dict[str, int] = field(default_factory=dict)  # as the worker last reported it
     # The router's own accounting of what it sent there.
@@ -98,9 +100,16 @@ class WorkerView:
         )
 
     @property
+    def admitting(self) -> bool:
+        """Whether new requests may go there."""
+        return not self.draining and self.cordon is None
+
+    @property
     def state(self) -> WorkerState:
-        if self.draining:
+        if self.draining or self.cordon == "draining":
             return "draining"
+        if self.cordon is not None:
+            return "cordoned"
         return "stale" if self.stale_reason is not None else "up"
 
     def as_dict(self) -> dict[str, Any]:
@@ -168,6 +177,7 @@ class RouterCore:
         url: str | None = None,
         capacity_blocks: int = 0,
         draining: bool = False,
+        cordon: str | None = None,
     ) -> WorkerView:
         view = self.workers.get(worker)
         if view is None:
@@ -178,6 +188,7 @@ class RouterCore:
             view.capacity_blocks = capacity_blocks
             view.changed()
         view.draining = draining
+        view.cordon = cordon
         return view
 
     def remove_worker(self, worker: str) -> None:
@@ -222,7 +233,7 @@ class RouterCore:
         exclude: Iterable[str] = (),
         tree_sizes: bool = True,
     ) -> list[Candidate]:
-        """One ``Candidate`` per worker that may take a request (not draining, not excluded),
+        """One ``Candidate`` per worker that may take a request (admitting, not excluded),
         in worker-id order so that every router sees the same list. ``tree_sizes=False``
         leaves ``cached_blocks`` 0 (only the ``sglang`` policy reads it)."""
         predictions = self._predicted
@@ -236,7 +247,7 @@ class RouterCore:
         out: list[Candidate] = []
         for worker in self._order:
             view = self.workers[worker]
-            if view.draining or worker in skip:
+            if not view.admitting or worker in skip:
                 continue
             depth, gpu = matches.get(worker, _NO_MATCH)
             host = depth - gpu
@@ -282,13 +293,23 @@ class RouterCore:
         policy = policy or self.policy
         candidates = self.candidates(block_hashes, exclude=exclude, tree_sizes=policy == "sglang")
         if not candidates:
-            raise NoWorkerError("no worker is up" if not self.workers else "no worker is left")
+            raise NoWorkerError(self._why_none(exclude))
         request = RouteRequest(
             num_tokens, self.tokens_per_block, block_hashes[-1] if block_hashes else num_tokens
         )
         return choose(
             policy or self.policy, request, candidates, weights or self.weights, self.state
         )
+
+    def _why_none(self, exclude: Iterable[str]) -> str:
+        """Why no worker can take a request, in the words of a 503."""
+        if not self.workers:
+            return "no worker is up"
+        skip = set(exclude)
+        left = [view for worker, view in self.workers.items() if worker not in skip]
+        if left and not any(view.admitting for view in left):
+            return "every worker is draining or cordoned"
+        return "no worker is left"
 
     def begin(
         self, request_id: str, decision: Decision, block_hashes: Sequence[int], num_tokens: int

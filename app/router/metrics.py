@@ -22,7 +22,7 @@ __all__ = ["CONTENT_TYPE", "RouterMetrics"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _DECISION_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2)
-_STATES = ("up", "stale", "draining")
+_STATES = ("up", "stale", "draining", "cordoned")
 # Consumer counters exported as they are: (stats key, metric suffix, help).
 _CONSUMER_COUNTERS = (
     ("entries", "entries", "Stream entries applied to the index"),
@@ -124,6 +124,17 @@ class RouterMetrics(Collector):
         yield lag
         yield inflight
         yield queued
+        cordons = GaugeMetricFamily(
+            "kvmesh_router_worker_cordon",
+            "1 for each worker an operator cordoned or drains (state: cordoned, draining, or "
+            "drained once nothing is left in flight there)",
+            labels=["worker", "state"],
+        )
+        for worker in sorted(runtime.cordons):
+            report = runtime.cordon_report(worker) or {}
+            state = "drained" if report.get("done") else str(report.get("state"))
+            cordons.add_metric([worker, state], 1)
+        yield cordons
         stats = runtime.consumer.stats()
         for key, suffix, text in _CONSUMER_COUNTERS:
             yield CounterMetricFamily(f"kvmesh_router_consumer_{suffix}", text, value=stats[key])

@@ -16,6 +16,9 @@ event loop:
   restarts empty: the consumer then holds each worker for its heartbeat TTL, and the router
   keeps routing to them while they register again, instead of answering 503 "no worker is up".
 
+Every load tick also reads the operators' cordons (``app.router.fleet``, one hash for the
+fleet): a cordoned or draining worker takes no new request from any router.
+
 A worker's data is *stale* (reported in ``/workers``, ``/ready``, metrics and every decision,
 never silently used as fresh) when the consumer is resynchronising it, when the entries it has
 not read yet are older than ``max_lag_ms``, when its heartbeat is late (under a third of its TTL
@@ -45,6 +48,7 @@ from app.dashboard.state import DashboardState
 from app.http import uvicorn_config
 from app.redis_access import RedisCredentialsError, check_credentials
 from app.router.core import RouterCore
+from app.router.fleet import Cordon, CordonState, clear_cordon, parse_cordons, set_cordon
 from app.router.metrics import RouterMetrics
 from app.router.settings import RouterSettings
 from events import keys
@@ -52,11 +56,26 @@ from events.consumer import EventConsumer, WorkerState
 from events.index import PrefixIndex
 from events.redis_io import REDIS_ERRORS, raise_if_cancelled, redis_client
 
-__all__ = ["RouterRuntime", "WorkerStatus", "create_app", "serve"]
+__all__ = [
+    "FleetStoreError",
+    "RouterRuntime",
+    "UnknownWorkerError",
+    "WorkerStatus",
+    "create_app",
+    "serve",
+]
 
 logger = logging.getLogger(__name__)
 
 _DEFAULT_TOKENS_PER_BLOCK = 16
+
+
+class UnknownWorkerError(KeyError):
+    """An admin call named a worker this router neither follows nor has cordoned."""
+
+
+class FleetStoreError(RuntimeError):
+    """Redis did not take a cordon (or its removal): nothing was recorded."""
 
 
 @dataclass(slots=True)
@@ -97,6 +116,8 @@ class RouterRuntime:
         self.tokens_per_block_known = settings.tokens_per_block is not None
         self.status: dict[str, WorkerStatus] = {}
         self.incompatible: dict[str, str] = {}  # worker -> why it is not routed to
+        self.cordons: dict[str, Cordon] = {}  # as last read from Redis (app.router.fleet)
+        self.num_bad_cordons = 0  # entries of the cordons hash that did not parse
         self.http = httpx.AsyncClient(
             timeout=httpx.Timeout(settings.proxy_timeout_s, connect=settings.connect_timeout_s),
             limits=httpx.Limits(max_connections=1_024, max_keepalive_connections=256),
@@ -195,11 +216,13 @@ class RouterRuntime:
                 core.remove_worker(worker)
                 continue
             capacity = info.get("capacity") or [0]
+            cordon = self.cordons.get(worker)
             view = core.upsert_worker(
                 worker,
                 url=info.get("url"),
                 capacity_blocks=int(capacity[0]) if capacity else 0,
                 draining=bool(info.get("draining")),
+                cordon=cordon.state if cordon is not None else None,
             )
             core.set_stale(worker, self._stale_reason(state, status))
             if not view.url:
@@ -243,16 +266,15 @@ class RouterRuntime:
 
     async def _read_loads(self) -> None:
         states = [s for s in self.consumer.workers().values() if s.alive]
-        if not states:
-            # Still ask Redis, so that redis_ok (and /ready) is true only when Redis answers.
-            await self.redis.ping()
-            return
         async with self.redis.pipeline(transaction=False) as pipe:
+            # Always at least this: redis_ok (and /ready) is true only when Redis answers.
+            pipe.hgetall(keys.CORDONS_KEY)
             for state in states:
                 pipe.hgetall(keys.load_key(state.worker))
                 pipe.pttl(keys.alive_key(state.worker))
                 pipe.xinfo_stream(state.key)
-            replies = await pipe.execute(raise_on_error=False)
+            cordons_raw, *replies = await pipe.execute(raise_on_error=False)
+        self._set_cordons(cordons_raw)
         now_ms = time.time() * 1000
         behind: list[WorkerState] = []
         for i, state in enumerate(states):
@@ -284,6 +306,106 @@ class RouterRuntime:
                 if isinstance(first, list) and first:
                     age = now_ms - _id_key(first[0][0])[0]
                     self.status[state.worker].lag_ms = max(age, 0.0)
+
+    def _set_cordons(self, raw: Any) -> None:
+        if isinstance(raw, Exception):  # not a hash (WRONGTYPE): keep what was last read
+            if not self.num_bad_cordons:
+                logger.warning("router: cannot read %s: %s", keys.CORDONS_KEY, raw)
+            self.num_bad_cordons = 1
+            return
+        cordons, bad = parse_cordons(raw)
+        if bad and bad != self.num_bad_cordons:
+            logger.warning("router: %d malformed entries in %s skipped", bad, keys.CORDONS_KEY)
+        self.num_bad_cordons = bad
+        self.cordons = cordons
+
+    def apply_cordon(self, worker: str, cordon: Cordon | None) -> None:
+        """What this router's admin API just wrote, applied now, not at the next load tick."""
+        if cordon is None:
+            self.cordons.pop(worker, None)
+        else:
+            self.cordons[worker] = cordon
+        self._apply_view()
+
+    # -- fleet admin (app.router.fleet) --------------------------------------------------------
+
+    async def cordon(self, worker: str, state: CordonState) -> dict[str, Any]:
+        """Cordon (no new requests) or drain (cordon, then the worker's own ``POST /drain``)
+        ``worker`` for every router; its ``/workers`` entry, with the worker's answer."""
+        self._check_known(worker)
+        try:
+            cordon = await set_cordon(self.redis, worker, state)
+        except REDIS_ERRORS as exc:
+            raise FleetStoreError(f"Redis is not answering, nothing was recorded: {exc}") from None
+        self.apply_cordon(worker, cordon)
+        entry = self.worker_entry(worker)
+        if state == "draining":
+            entry["worker_answer"] = await self._ask_worker(worker, "/drain")
+        return entry
+
+    async def uncordon(self, worker: str) -> dict[str, Any]:
+        """Back in rotation; a worker that was drained is asked to admit again (``/resume``)."""
+        self._check_known(worker)
+        previous = self.cordons.get(worker)
+        try:
+            await clear_cordon(self.redis, worker)
+        except REDIS_ERRORS as exc:
+            raise FleetStoreError(f"Redis is not answering, nothing was recorded: {exc}") from None
+        self.apply_cordon(worker, None)
+        entry = self.worker_entry(worker)
+        if previous is not None and previous.state == "draining":
+            entry["worker_answer"] = await self._ask_worker(worker, "/resume")
+        return entry
+
+    def _check_known(self, worker: str) -> None:
+        if worker not in self.consumer.workers() and worker not in self.cordons:
+            raise UnknownWorkerError(worker)
+
+    async def _ask_worker(self, worker: str, path: str) -> dict[str, Any]:
+        """``POST path`` to the worker with this router's admin token (a fleet shares one);
+        what it answered, or why it did not. An engine behind ``kvmesh ingest`` has no such
+        route (404): the cordon still keeps every router's requests away."""
+        state = self.consumer.workers().get(worker)
+        url = state.info.get("url") if state is not None else None
+        if not isinstance(url, str) or not url:
+            return {"error": "the worker registered no URL"}
+        token = self.settings.admin_token
+        headers = {"authorization": f"Bearer {token.get_secret_value()}"} if token else {}
+        try:
+            answer = await self.http.post(f"{url}{path}", headers=headers, timeout=5.0)
+        except httpx.HTTPError as exc:
+            return {"error": f"{type(exc).__name__} from {url}{path}"}
+        try:
+            body: Any = answer.json()
+        except ValueError:
+            body = answer.text[:300]
+        return {"status": answer.status_code, "body": body}
+
+    def worker_entry(self, worker: str) -> dict[str, Any]:
+        """``worker``'s entry of ``GET /workers`` (a cordoned worker no longer registered:
+        state ``gone``, with its cordon)."""
+        for entry in self.workers_report():
+            if entry["worker"] == worker:
+                return entry
+        return {"worker": worker, "state": "gone", "cordon": self.cordon_report(worker)}
+
+    def cordon_report(self, worker: str) -> dict[str, Any] | None:
+        """An operator's cordon of ``worker`` as ``/workers`` shows it: for a drain, what is
+        still in flight there (the worker's own count and this router's) and whether it is
+        done (nothing left)."""
+        cordon = self.cordons.get(worker)
+        if cordon is None:
+            return None
+        out = cordon.as_dict()
+        if cordon.state == "draining":
+            view = self.core.workers.get(worker)
+            load = view.load if view is not None else {}
+            reported = load.get("running_requests", load.get("active_sequences", 0))
+            waiting = load.get("waiting_requests", 0)
+            routed = view.inflight_running if view is not None else 0
+            out["in_flight"] = {"running": reported, "waiting": waiting, "this_router": routed}
+            out["done"] = view is not None and reported + waiting + routed == 0
+        return out
 
     # -- queries -------------------------------------------------------------------------------
 
@@ -318,6 +440,7 @@ class RouterRuntime:
                 heartbeat_age_s=status.heartbeat_age_s,
                 blocks={"gpu": tiers["gpu"], "host": tiers["host"]},
                 predicted_blocks=self.core.num_predicted(worker),
+                cordon=self.cordon_report(worker),
             )
             out.append(entry)
         return out

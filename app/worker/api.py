@@ -9,7 +9,7 @@ the exception handlers below, as OpenAI's error shape ``{"error": {"message", "t
     missing bearer token                                               401
     admin calls disabled, or a wrong token                             403
     NotFound, UnknownBlockError, UnknownRequestError                   404
-    DuplicateJobError, PinConflictError                                409
+    DuplicateJobError, PinConflictError, Conflict                      409
     body over max_body_bytes                                           413
     QueueFullError                                                     429 + Retry-After
     DrainingError                                                      503 + Retry-After
@@ -55,11 +55,15 @@ from cache import (
 )
 from events.snapshot import manager_snapshot
 
-__all__ = ["NotFound", "install"]
+__all__ = ["Conflict", "NotFound", "install"]
 
 
 class NotFound(Exception):
     pass
+
+
+class Conflict(Exception):
+    """The call cannot be made in the worker's state (resuming while shutting down)."""
 
 
 _error = error
@@ -385,6 +389,33 @@ def _admin_router(settings: WorkerSettings) -> APIRouter:
         return {"block_ids": ids}
 
     @router.post(
+        "/drain",
+        response_model=schemas.DrainResponse,
+        dependencies=[admin],
+        summary="Stop admitting new requests (503) and let those in flight finish; stay up",
+    )
+    async def drain(runtime: Runtime) -> dict[str, Any]:
+        return runtime.admin_drain()
+
+    @router.post(
+        "/resume",
+        response_model=schemas.DrainResponse,
+        dependencies=[admin],
+        summary="Admit new requests again after POST /drain (409 while shutting down)",
+    )
+    async def resume(runtime: Runtime) -> dict[str, Any]:
+        try:
+            return runtime.admin_resume()
+        except ValueError as exc:
+            raise Conflict(str(exc)) from None
+
+    @router.get(
+        "/drain", response_model=schemas.DrainResponse, summary="Draining, and what is left"
+    )
+    async def drain_state(runtime: Runtime) -> dict[str, Any]:
+        return runtime.drain_report()
+
+    @router.post(
         "/requests/{request_id}/cancel",
         response_model=schemas.CancelResponse,
         dependencies=[admin],
@@ -422,6 +453,10 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(UnknownRequestError)
     async def not_found(request: Request, exc: Exception) -> Response:
         return _error(404, str(exc), "not_found_error")
+
+    @app.exception_handler(Conflict)
+    async def conflict(request: Request, exc: Conflict) -> Response:
+        return _error(409, str(exc), "conflict_error")
 
     @app.exception_handler(PinConflictError)
     async def pin_conflict(request: Request, exc: PinConflictError) -> Response:

@@ -105,7 +105,7 @@ class QueueFullError(EngineError):
 
 
 class DrainingError(EngineError):
-    """The worker is shutting down and admits nothing new (503)."""
+    """The worker drains (shutting down, or an operator asked) and admits nothing new (503)."""
 
 
 class DuplicateJobError(EngineError):
@@ -234,6 +234,7 @@ class Engine:
         self._wakeup = asyncio.Event()
         self._stopped = False
         self.draining = False
+        self.drain_reason = "the worker is shutting down"  # said to a request refused meanwhile
         self.stats = EngineStats()
         self.recent_events: deque[tuple[KVCacheEvent, int]] = deque()  # (event, its blocks)
         self._ring_blocks = 0
@@ -250,7 +251,7 @@ class Engine:
     def submit(self, job: Job) -> None:
         """Queue a job (never waits). Raises DrainingError, DuplicateJobError, QueueFullError."""
         if self.draining or self._stopped:
-            raise DrainingError("the worker is shutting down")
+            raise DrainingError(self.drain_reason if self.draining else "the engine has stopped")
         if job.job_id in self.jobs:
             raise DuplicateJobError(f"request_id {job.job_id!r} is already in flight")
         if self._num_waiting >= self.config.max_queue_len:

@@ -169,6 +169,16 @@ class SnapshotResponse(BaseModel):
     events: list[dict[str, Any]]
 
 
+class DrainResponse(BaseModel):
+    """A worker's drain: whether it admits new requests, and what is still in flight."""
+
+    draining: bool
+    shutting_down: bool
+    running: int
+    waiting: int
+    done: bool
+
+
 class HealthResponse(BaseModel):
     status: str
     worker_id: str

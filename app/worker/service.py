@@ -107,6 +107,7 @@ class WorkerRuntime:
     embedded_redis: EmbeddedRedis | None = None
     engine_task: asyncio.Task[None] | None = None
     started_at: float = field(default_factory=time.time)
+    shutting_down: bool = False  # drain() began: SIGTERM, or the app's lifespan ending
 
     @property
     def capacity_blocks(self) -> int:
@@ -244,10 +245,48 @@ class WorkerRuntime:
             return False
         return True
 
+    def drain_report(self) -> dict[str, Any]:
+        """Whether the worker admits new requests, and what is left in flight (``done``: none)."""
+        engine = self.engine
+        running, waiting = len(engine.running), engine.num_waiting
+        return {
+            "draining": engine.draining,
+            "shutting_down": self.shutting_down,
+            "running": running,
+            "waiting": waiting,
+            "done": engine.draining and not engine.jobs,
+        }
+
+    def admin_drain(self) -> dict[str, Any]:
+        """An operator's drain (``POST /drain``): admit nothing new (503), let what is in flight
+        finish, stay up; routers see ``draining`` in the registry at the next heartbeat."""
+        if not self.engine.draining:
+            self.engine.draining = True
+            self.engine.drain_reason = "the worker is draining (an operator asked for it)"
+            self.publisher.update_registry(draining=True)
+            logger.info(
+                "worker %s: draining on request (%d in flight)",
+                self.settings.worker_id,
+                len(self.engine.jobs),
+            )
+        return self.drain_report()
+
+    def admin_resume(self) -> dict[str, Any]:
+        """Undo ``admin_drain`` (``POST /resume``); a shutdown cannot be undone (ValueError)."""
+        if self.shutting_down:
+            raise ValueError("the worker is shutting down; it cannot resume")
+        if self.engine.draining:
+            self.engine.draining = False
+            self.publisher.update_registry(draining=False)
+            logger.info("worker %s: admitting again", self.settings.worker_id)
+        return self.drain_report()
+
     async def drain(self) -> None:
         """Stop admitting, let in-flight requests finish (or abort them), flush the events."""
         settings = self.settings
+        self.shutting_down = True
         self.engine.draining = True
+        self.engine.drain_reason = "the worker is shutting down"
         # Routers read it with the next heartbeat and stop sending new requests here.
         self.publisher.update_registry(draining=True)
         logger.info(
@@ -266,7 +305,7 @@ class WorkerRuntime:
                 await self.publisher.flush(timeout=self.publisher.close_timeout_s)
 
     async def aclose(self) -> None:
-        if not self.engine.draining:
+        if not self.shutting_down:
             await self.drain()
         self.engine.stop()
         if self.engine_task is not None:

@@ -10,6 +10,7 @@ go to the test's ``tmp_path``; ``KVMESH_DOCS_SCREENSHOT=1`` also writes ``docs/i
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -23,8 +24,10 @@ from typing import Any
 import httpx
 import playwright.sync_api as playwright_api
 import pytest
+import redis
 
 from app.redis_server import EmbeddedRedis
+from events import keys
 from tests.app.router_support import two_workers_and_a_router, wait_for
 
 CHROMIUM = os.environ.get("KVMESH_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
@@ -76,7 +79,7 @@ def cluster(embedded_redis: EmbeddedRedis) -> Iterator[dict[str, Any]]:
         embedded_redis.url, num_blocks=256, heartbeat_ttl_s=HEARTBEAT_TTL_S
     ) as (base, procs):
         router = procs["router"]
-        yield {"base": base, "procs": procs, "router": router}
+        yield {"base": base, "procs": procs, "router": router, "redis_url": embedded_redis.url}
         router.send_signal(signal.SIGTERM)
         router.wait(timeout=15)
 
@@ -211,6 +214,16 @@ def test_dashboard_page_shows_the_cluster_live(
     page.screenshot(path=str(tmp_path / "dashboard.png"))
     if os.environ.get("KVMESH_DOCS_SCREENSHOT") == "1":
         page.screenshot(path=str(DOCS_SCREENSHOT))
+
+    # An operator's cordon (written to Redis as any router's admin API writes it) shows on
+    # the worker's badge, with when and by whom in its title, and goes when lifted.
+    badge = page.locator(f'article.worker[data-worker="{holder}"] .badge')
+    with redis.Redis.from_url(cluster["redis_url"]) as client:
+        client.hset(keys.CORDONS_KEY, holder, json.dumps({"state": "cordoned", "since": 0.0}))
+        expect(badge).to_have_text("cordoned")
+        expect(badge).to_have_attribute("title", re.compile(r"^cordoned by an operator since \S"))
+        client.hdel(keys.CORDONS_KEY, holder)
+        expect(badge).to_have_text("up")
 
     # A killed worker turns grey: gone, once its heartbeat expires.
     cluster["procs"][other].send_signal(signal.SIGKILL)

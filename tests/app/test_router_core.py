@@ -146,8 +146,21 @@ def test_draining_excluded_and_missing_workers_are_not_candidates() -> None:
     assert [c.worker for c in core.candidates([])] == ["w0", "w2"]
     assert [c.worker for c in core.candidates([], exclude=["w0"])] == ["w2"]
     core.remove_worker("w2")
-    with pytest.raises(NoWorkerError, match="no worker is left"):
+    with pytest.raises(NoWorkerError, match=r"^every worker is draining or cordoned$"):
         core.decide([], 10, exclude=["w0"])
+    with pytest.raises(NoWorkerError, match=r"^no worker is left$"):
+        core.decide([], 10, exclude=["w0", "w1"])
+    # An operator's cordon (or drain) takes a worker out of rotation like its own draining.
+    core.upsert_worker("w0", url="http://w0", capacity_blocks=10_000, cordon="cordoned")
+    core.upsert_worker("w1", url="http://w1", capacity_blocks=10_000, cordon="draining")
+    assert [(w, v.state, v.admitting) for w, v in core.workers.items()] == [
+        ("w0", "cordoned", False),
+        ("w1", "draining", False),
+    ]
+    with pytest.raises(NoWorkerError, match=r"^every worker is draining or cordoned$"):
+        core.decide([], 10)
+    core.upsert_worker("w0", url="http://w0", capacity_blocks=10_000)
+    assert [c.worker for c in core.candidates([])] == ["w0"]
     empty, _ = make_core(0)
     with pytest.raises(NoWorkerError, match="no worker is up"):
         empty.decide([], 10)

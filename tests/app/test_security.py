@@ -132,13 +132,20 @@ def test_every_call_that_changes_state_needs_the_admin_token(redis_url: str) -> 
         "POST /blocks/pin",
         "POST /blocks/unpin",
         "POST /requests/{request_id}/cancel",
+        "POST /drain",
+        "POST /resume",
     }
     assert _mutating_routes(router) - _admin_routes(router) == {
         "POST /route",
         "POST /route/explain",
         "POST /v1/completions",
     }
-    assert _admin_routes(router) == {"PUT /policy"}
+    assert _admin_routes(router) == {
+        "PUT /policy",
+        "POST /workers/{worker_id}/cordon",
+        "POST /workers/{worker_id}/drain",
+        "POST /workers/{worker_id}/uncordon",
+    }
     assert _mutating_routes(dashboard) == set()
 
 
@@ -148,6 +155,8 @@ WORKER_ADMIN_CALLS: list[tuple[str, dict[str, Any] | None]] = [
     ("/blocks/pin", {"block_hashes": "FIRST"}),
     ("/blocks/unpin", {"block_hashes": "FIRST"}),
     ("/requests/live/cancel", None),
+    ("/drain", None),
+    ("/resume", None),
 ]
 
 

@@ -564,6 +564,8 @@ async def test_openapi_describes_every_route(clean_redis_url: str) -> None:
         "/blocks/pin",
         "/blocks/unpin",
         "/requests/{request_id}/cancel",
+        "/drain",
+        "/resume",
         "/metrics",
     }
     body = spec["paths"]["/v1/completions"]["post"]["requestBody"]["content"]

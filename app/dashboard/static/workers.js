@@ -66,6 +66,18 @@ function updateTier(tier, blocks) {
   );
 }
 
+// Why the badge says what it says: an operator's cordon or drain, or why the data is stale.
+function badgeTitle(w) {
+  if (w.cordon) {
+    const since = new Date(w.cordon.since * 1000).toLocaleTimeString();
+    const left = w.cordon.in_flight
+      ? `; in flight: ${w.cordon.in_flight.running} running, ${w.cordon.in_flight.waiting} waiting`
+      : "";
+    return `${w.cordon.state} by an operator since ${since}${left}`;
+  }
+  return w.stale_reason || null;
+}
+
 export class WorkerCards {
   constructor(root) {
     this.root = root;
@@ -87,7 +99,7 @@ export class WorkerCards {
       setAttr(card.root, "data-state", w.state);
       setText(card.badge, w.state);
       setAttr(card.badge, "data-state", w.state);
-      setAttr(card.badge, "title", w.stale_reason || null);
+      setAttr(card.badge, "title", badgeTitle(w));
       setText(card.url, w.url ?? "");
       for (const [key] of TIERS) updateTier(card.tiers[key], w[key]);
       for (const [key, , format] of STATS) setText(card.stats[key], format(w));

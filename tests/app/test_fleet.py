@@ -1,0 +1,264 @@
+"""Fleet admin through the router: cordon, drain and uncordon, kept in Redis for every router.
+
+In-process: two workers and two router replicas on one private Redis (a cordon told to one
+router is honoured by the other, and by a router started later). As processes: ``kvmesh
+router`` and two ``kvmesh worker`` sharing an admin token, a drain while a request is in flight
+on the worker, reported until done, then undone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import redis
+
+from app.router.service import RouterRuntime
+from events import keys
+from tests.app.router_support import eventually, router_client, router_settings, wait_for
+from tests.app.worker_support import (
+    ADMIN_TOKEN,
+    AUTH,
+    free_port,
+    service_process,
+    wait_ready,
+    worker_client,
+    worker_settings,
+)
+
+PROMPT = list(range(100, 200))  # 100 tokens: 6 full blocks of 16
+
+
+@contextlib.asynccontextmanager
+async def two_workers(redis_url: str) -> AsyncIterator[None]:
+    """w0 and w1 in-process; w0 has served PROMPT, so it holds the prefix."""
+    async with (
+        worker_client(worker_settings(redis_url, worker_id="w0")) as (w0, _),
+        worker_client(worker_settings(redis_url, worker_id="w1")),
+    ):
+        assert (await w0.post("/v1/completions", json={"prompt": PROMPT})).status_code == 200
+        yield
+
+
+async def _ready(runtime: RouterRuntime) -> None:
+    def holds_prefix() -> bool:
+        blocks = runtime.index.stats()["per_worker"].get("w0", {}).get("blocks", 0)
+        return blocks >= 6 and "w1" in runtime.core.workers
+
+    await eventually(holds_prefix)
+    await eventually(lambda: runtime.readiness()["ready"])
+
+
+def _states(body: dict[str, Any]) -> dict[str, str]:
+    return {w["worker"]: w["state"] for w in body["workers"]}
+
+
+def _metric_lines(text: str, name: str) -> list[str]:
+    return sorted(line for line in text.splitlines() if line.startswith(name + "{"))
+
+
+async def test_a_cordon_is_honoured_by_every_router_and_outlives_them(
+    clean_redis_url: str,
+) -> None:
+    async with (
+        two_workers(clean_redis_url),
+        router_client(router_settings(clean_redis_url)) as (a, runtime_a),
+        router_client(router_settings(clean_redis_url)) as (b, runtime_b),
+    ):
+        await _ready(runtime_a)
+        await _ready(runtime_b)
+        assert (await a.post("/route", json={"prompt": PROMPT})).json()["worker"] == "w0"
+
+        # The admin token, and a worker the router knows.
+        assert (await a.post("/workers/w0/cordon")).status_code == 401
+        wrong = {"Authorization": "Bearer nope"}
+        assert (await a.post("/workers/w0/cordon", headers=wrong)).status_code == 403
+        unknown = await a.post("/workers/w9/cordon", headers=AUTH)
+        assert unknown.status_code == 404
+        assert unknown.json() == {
+            "error": {
+                "message": "no worker 'w9': GET /workers lists the workers this router follows",
+                "type": "not_found_error",
+                "param": "worker_id",
+                "code": None,
+            }
+        }
+
+        before = time.time()
+        answer = await a.post("/workers/w0/cordon", headers=AUTH)
+        assert answer.status_code == 200, answer.text
+        entry = answer.json()
+        assert (entry["worker"], entry["state"]) == ("w0", "cordoned")
+        assert entry["cordon"]["state"] == "cordoned"
+        assert before <= entry["cordon"]["since"] <= time.time()
+        # Kept in Redis, where every router reads it.
+        with redis.Redis.from_url(clean_redis_url) as client:
+            stored = json.loads(client.hget(keys.CORDONS_KEY, "w0") or b"{}")
+        assert stored == entry["cordon"]
+        # Cordoning again keeps the first time.
+        again = (await a.post("/workers/w0/cordon", headers=AUTH)).json()
+        assert again["cordon"] == entry["cordon"]
+
+        # This router at once, the other at its next load tick: w1 gets the prefix's requests.
+        routed = (await a.post("/route", json={"prompt": PROMPT})).json()
+        assert (routed["worker"], [c["worker"] for c in routed["costs"]]) == ("w1", ["w1"])
+        await eventually(lambda: runtime_b.core.workers["w0"].state == "cordoned")
+        assert (await b.post("/route", json={"prompt": PROMPT})).json()["worker"] == "w1"
+        assert _states((await b.get("/workers")).json()) == {"w0": "cordoned", "w1": "up"}
+        metrics = (await b.get("/metrics")).text
+        assert 'kvmesh_router_workers{state="cordoned"} 1.0' in metrics
+        assert _metric_lines(metrics, "kvmesh_router_worker_cordon") == [
+            'kvmesh_router_worker_cordon{state="cordoned",worker="w0"} 1.0'
+        ]
+        # No worker left to take a request: a 503 that says why.
+        assert (await b.post("/workers/w1/cordon", headers=AUTH)).status_code == 200
+        refused = await b.post("/route", json={"prompt": PROMPT})
+        assert refused.status_code == 503
+        assert refused.json()["error"]["message"] == "every worker is draining or cordoned"
+        # An entry someone else wrote that does not parse is skipped, not obeyed.
+        with redis.Redis.from_url(clean_redis_url) as client:
+            client.hset(keys.CORDONS_KEY, "w1", b"{not json")
+        await eventually(lambda: runtime_a.num_bad_cordons == 1)
+        assert (await a.post("/route", json={"prompt": PROMPT})).json()["worker"] == "w1"
+        assert (await a.post("/workers/w1/uncordon", headers=AUTH)).status_code == 200
+
+    # A router started afterwards finds the cordon in Redis.
+    async with (
+        two_workers(clean_redis_url),
+        router_client(router_settings(clean_redis_url)) as (c, runtime_c),
+    ):
+        await eventually(
+            lambda: (
+                {w: v.state for w, v in runtime_c.core.workers.items()}
+                == {"w0": "cordoned", "w1": "up"}
+            )
+        )
+        assert _states((await c.get("/workers")).json()) == {"w0": "cordoned", "w1": "up"}
+        back = await c.post("/workers/w0/uncordon", headers=AUTH)
+        assert (back.status_code, back.json()["state"], back.json()["cordon"]) == (200, "up", None)
+        assert "worker_answer" not in back.json()  # only a drain asks the worker to resume
+        await _ready(runtime_c)
+        assert (await c.post("/route", json={"prompt": PROMPT})).json()["worker"] == "w0"
+        with redis.Redis.from_url(clean_redis_url) as client:
+            assert client.hgetall(keys.CORDONS_KEY) == {}
+
+
+def _worker_args(worker: str, port: int, redis_url: str) -> list[str]:
+    return [
+        *("--worker-id", worker, "--port", str(port), "--redis-url", redis_url),
+        *("--num-gpu-blocks", "64", "--max-seq-len", "2048", "--heartbeat-ttl-s", "2"),
+        # 20 ms steps: a 40-token answer stays in flight for most of a second.
+        *("--sim-step-overhead-ms", "20", "--sim-prefill-us-per-token", "0"),
+    ]
+
+
+def test_a_drain_through_the_router_is_reported_until_done_then_undone(
+    clean_redis_url: str,
+) -> None:
+    env = {"KVMESH_ADMIN_TOKEN": ADMIN_TOKEN}
+    ports = {"w0": free_port(), "w1": free_port()}
+    base = f"http://127.0.0.1:{free_port()}"
+    router_args = ["--port", base.rpartition(":")[2], "--redis-url", clean_redis_url]
+    with contextlib.ExitStack() as stack:
+        procs = {
+            w: stack.enter_context(
+                service_process("worker", _worker_args(w, p, clean_redis_url), env)
+            )
+            for w, p in ports.items()
+        }
+        router = stack.enter_context(
+            service_process("router", [*router_args, "--load-interval-s", "0.05"], env)
+        )
+        w0 = f"http://127.0.0.1:{ports['w0']}"
+        for worker, port in ports.items():
+            wait_ready(f"http://127.0.0.1:{port}", procs[worker])
+        wait_ready(base, router)
+        wait_for(lambda: _states(httpx.get(f"{base}/workers").json()) == {"w0": "up", "w1": "up"})
+
+        # A request in flight on w0 when the drain starts.
+        done: dict[str, httpx.Response] = {}
+
+        def long_request() -> None:
+            done["answer"] = httpx.post(
+                f"{w0}/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 40}, timeout=30
+            )
+
+        thread = threading.Thread(target=long_request)
+        thread.start()
+        wait_for(lambda: httpx.get(f"{w0}/drain").json()["running"] == 1)
+        drained = httpx.post(f"{base}/workers/w0/drain", headers=AUTH)
+        assert drained.status_code == 200, drained.text
+        body = drained.json()
+        assert (body["state"], body["cordon"]["state"]) == ("draining", "draining")
+        assert body["worker_answer"] == {
+            "status": 200,
+            "body": {
+                "draining": True,
+                "shutting_down": False,
+                "running": 1,
+                "waiting": 0,
+                "done": False,
+            },
+        }
+        # The worker itself refuses new requests meanwhile, saying why.
+        refused = httpx.post(f"{w0}/v1/completions", json={"prompt": [5], "max_tokens": 1})
+        assert refused.status_code == 503
+        assert refused.json()["error"]["message"] == (
+            "the worker is draining (an operator asked for it)"
+        )
+        # Through the router, everything goes to w1.
+        routed = httpx.post(f"{base}/v1/completions", json={"prompt": PROMPT, "max_tokens": 1})
+        assert routed.headers["x-kvmesh-worker"] == "w1"
+
+        thread.join(30)
+        assert done["answer"].status_code == 200  # the one in flight finished
+
+        def finished() -> bool:
+            entry = httpx.get(f"{base}/workers").json()["workers"][0]
+            return bool(entry["cordon"]["done"])
+
+        wait_for(finished)
+        entry = httpx.get(f"{base}/workers").json()["workers"][0]
+        assert entry["cordon"]["in_flight"] == {"running": 0, "waiting": 0, "this_router": 0}
+        rows = httpx.get(f"{base}/dashboard/state").json()["workers"]
+        assert [(r["worker"], r["state"]) for r in rows] == [("w0", "drained"), ("w1", "up")]
+        assert 'kvmesh_router_worker_cordon{state="drained",worker="w0"} 1.0' in (
+            httpx.get(f"{base}/metrics").text
+        )
+
+        back = httpx.post(f"{base}/workers/w0/uncordon", headers=AUTH)
+        assert back.status_code == 200
+        assert back.json()["worker_answer"]["body"]["draining"] is False
+        again = httpx.post(f"{w0}/v1/completions", json={"prompt": [5], "max_tokens": 1})
+        assert again.status_code == 200
+        wait_for(lambda: _states(httpx.get(f"{base}/workers").json()) == {"w0": "up", "w1": "up"})
+
+
+async def test_a_worker_drains_and_resumes_but_not_out_of_a_shutdown(clean_redis_url: str) -> None:
+    async with worker_client(worker_settings(clean_redis_url)) as (client, runtime):
+        idle = {"draining": False, "shutting_down": False, "running": 0, "waiting": 0}
+        assert (await client.get("/drain")).json() == {**idle, "done": False}
+        drained = await client.post("/drain", headers=AUTH)
+        assert drained.json() == {**idle, "draining": True, "done": True}
+        refused = await client.post("/v1/completions", json={"prompt": [1], "max_tokens": 1})
+        assert (refused.status_code, refused.headers["retry-after"]) == (503, "5")
+        resumed = await client.post("/resume", headers=AUTH)
+        assert resumed.json() == {**idle, "done": False}
+        ok = await client.post("/v1/completions", json={"prompt": [1], "max_tokens": 1})
+        assert ok.status_code == 200
+        await runtime.drain()  # what SIGTERM does
+        conflict = await client.post("/resume", headers=AUTH)
+        assert conflict.status_code == 409
+        assert conflict.json()["error"] == {
+            "message": "the worker is shutting down; it cannot resume",
+            "type": "conflict_error",
+            "param": None,
+            "code": None,
+        }
+        refused = await client.post("/v1/completions", json={"prompt": [1], "max_tokens": 1})
+        assert refused.json()["error"]["message"] == "the worker is shutting down"
