@@ -413,7 +413,7 @@ def _service_settings(args: argparse.Namespace, model: type[S]) -> S:
 def _shared_settings(args: argparse.Namespace) -> Settings:
     """The settings every command shares, with its ``--redis-url`` (if it has one) over
     ``REDIS_URL``; a bad URL fails here, before any command starts."""
-    if args.command == "replay":  # in process, without Redis: a bad REDIS_URL is not its concern
+    if args.command in ("replay", "wait-ready"):  # no Redis: a bad REDIS_URL is not theirs
         return Settings(redis_url=None)
     redis_url = getattr(args, "redis_url", None)
     return Settings(redis_url=redis_url) if redis_url is not None else Settings()

@@ -43,8 +43,10 @@ streams, and the workers write them again only at their next heartbeat (within a
 worker that the registry or its heartbeat stops naming is forgotten or expired only after
 ``run_id`` is checked again, and a restart *holds* every followed worker for its heartbeat TTL
 (``WorkerState.held_until``; ``restart_hold_s`` when its entry does not say): kept alive and
-followed, not forgotten, until it beats again or the TTL is over (a worker that died with the
-server expires then). Routers keep routing to them meanwhile instead of finding no worker.
+followed, not forgotten, while the TTL runs, whether the registry or its heartbeat comes back
+first (on a Redis Cluster they live on different primaries, and one may restart alone); a
+worker that died with the server expires when it is over. Routers keep routing to them
+meanwhile instead of finding no worker.
 
 A gap right after a resynchronisation, before anything was applied, means the snapshot is
 older than what the stream still holds (trimmed): the consumer asks the worker for a fresh one
@@ -192,8 +194,8 @@ class WorkerState:
     behind_target: tuple[int, int] | None = None
     behind_since: float = 0.0
     behind_from_seq: int = -1
-    # After a Redis restart (monotonic): until then the worker is kept, though the registry and
-    # its heartbeat do not name it, while it writes them again (0: not held).
+    # After a Redis restart (monotonic): until then the worker is kept, though the registry or
+    # its heartbeat does not name it, while it writes them again (0: not held).
     held_until: float = 0.0
     # The entry that made the last resynchronisation, and the snapshot loaded before it.
     suspect: _Suspect | None = None
@@ -400,7 +402,7 @@ class EventConsumer:
         # The run_id check comes first: after a restart it resynchronises (and holds) the
         # workers still followed, before a registry or heartbeats still missing expire them.
         if self._check_server or now >= self._next_registry_at or now >= self._next_liveness_at:
-            await self._check_run_id()
+            await self.check_run_id()
         if now >= self._next_registry_at:
             await self._refresh_registry()
             self._next_registry_at = now + self.registry_interval_s
@@ -485,7 +487,10 @@ class EventConsumer:
             if pause_gc:
                 gc.enable()
 
-    async def _check_run_id(self) -> None:
+    async def check_run_id(self) -> None:
+        """Compare Redis's ``run_id`` with the last one seen: a new one is a restart (every
+        worker resynchronised and held). The loop calls it; a router calls it too before it
+        believes that something it knew is gone from Redis."""
         if self._cluster:
             # Every primary's: one of them restarting empty loses its workers' streams.
             infos = await self._redis.info("server", target_nodes=RedisCluster.PRIMARIES)
@@ -521,7 +526,7 @@ class EventConsumer:
 
         ``run_id`` is checked again first: the registry or the heartbeats just read may come
         from a server that restarted after this round's check."""
-        await self._check_run_id()
+        await self.check_run_id()
         now = time.monotonic()
         return {state.worker for state in states if state.held_until > now}
 
@@ -577,9 +582,8 @@ class EventConsumer:
         for state, beat in zip(states, beats, strict=True):
             exists = beat is not None
             if state.worker in held:
-                continue  # Redis lost its heartbeat in a restart: kept until it beats again
+                continue  # Redis lost its heartbeat in a restart: kept while it writes it again
             if exists:
-                state.held_until = 0.0
                 reported = _parse_heartbeat(beat)
                 if reported is not None:
                     state.reported_epoch, state.reported_seq = reported

@@ -24,7 +24,7 @@ import logging
 import random
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Final, cast
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit
 
 from redis.asyncio import Redis, RedisCluster
 from redis.asyncio.retry import Retry
@@ -61,13 +61,21 @@ def raise_if_cancelled() -> None:
 
 
 def redacted_url(url: str) -> str:
-    """``url`` fit for a log line: its password replaced by ``***``."""
+    """``url`` fit for a log line: its password replaced by ``***``, in the address or in a
+    ``password=`` option (redis-py takes both)."""
     parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.netloc.rpartition("@")[2]
-    user = parts.username or ""
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+    if parts.password is not None:
+        host = parts.netloc.rpartition("@")[2]
+        parts = parts._replace(netloc=f"{parts.username or ''}:***@{host}")
+    if parts.query:
+        options = [
+            (name, "***" if name.lower() == "password" else value)
+            for name, value in parse_qsl(parts.query, keep_blank_values=True)
+        ]
+        parts = parts._replace(query=urlencode(options, safe="*"))
+    # Joined by hand: urlunsplit drops the "//" of an empty host (unix:///path).
+    query = f"?{parts.query}" if parts.query else ""
+    return f"{parts.scheme}://{parts.netloc}{parts.path}{query}"
 
 
 def redis_client(url: str, *, socket_timeout: float | None = 5.0) -> Redis:

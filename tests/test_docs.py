@@ -3,8 +3,10 @@
 Every fenced ``sh`` block is either run here or listed in ``NOT_RUN`` with the reason, so a new
 block needs a decision, and a block that changes needs another look. Run here: the README's
 five-minute tour, as one script of its blocks in order, with real processes (a
-``redis-server``, two ``kvmesh worker``, a ``kvmesh router``), its answers checked against what
-the README says they are. Every other ``kvmesh`` command line in any fenced block is parsed by
+``redis-server``, two ``kvmesh worker``, a ``kvmesh router``; its ports swapped for free ones,
+so that a machine using 8000 can run the suite), its answers checked against what the README
+says they are, then stopped as the README says (``kill $(jobs -p)``), every process exiting
+0. Every other ``kvmesh`` command line in any fenced block is parsed by
 the CLI's own parser (a flag that does not exist, like ``--allocate-pools=false``, fails), and
 the files it names (``--trace``, ``--tokenizer``) exist in the repository.
 """
@@ -28,9 +30,10 @@ from app.cli import parse_args
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-TOUR_PORTS = (6390, 8000, 8001, 8002)
+TOUR_PORTS = (6390, 8000, 8001, 8002)  # Redis, the router, the two workers
 
 # Fenced sh blocks that are not run, by (file, first command line): why not.
+PLACEHOLDERS = {"NAME", "URL", "FREE_PORT", "..."}  # words a docs command has for a value
 _BENCH = "minutes (a benchmark); tests/app/test_bench_*.py run it with --quick"
 NOT_RUN = {
     ("README.md", "make demo"): "make test is what CI runs; the demo is tests/app/test_demo.py",
@@ -38,6 +41,14 @@ NOT_RUN = {
         "needs a Docker engine; tests/app/test_compose.py parses its commands"
     ),
     ("docs/benchmarks.md", ".venv/bin/kvmesh bench NAME"): "a placeholder (NAME)",
+    (
+        "docs/benchmarks.md",
+        "kvmesh worker --engine sim --model tiny --vocab-size 32000 --num-gpu-blocks 32768 "
+        "--num-host-blocks 0 --no-allocate-pools --max-batch-size 64 --max-tokens-per-step 16384 "
+        "--max-queue-len 256 --sim-step-overhead-ms 0 --sim-prefill-us-per-token 0 "
+        "--sim-decode-us-per-sequence 0 --drain-timeout-s 5 --worker-id bench-XXXXXX "
+        "--host 127.0.0.1 --port FREE_PORT --redis-url URL",
+    ): "what kvmesh bench worker starts (placeholders); tests/app/test_bench_worker.py runs it",
     ("docs/benchmarks.md", ".venv/bin/kvmesh bench manager --json"): _BENCH,
     ("docs/benchmarks.md", ".venv/bin/kvmesh bench index --json"): _BENCH,
     ("docs/benchmarks.md", ".venv/bin/kvmesh bench transfer --json"): _BENCH,
@@ -117,13 +128,14 @@ def fenced_blocks() -> list[Block]:
         lines = path.read_text().splitlines()
         i = 0
         while i < len(lines):
-            match = re.match(r"^```(\w*)\s*$", lines[i])
+            match = re.match(r"^(\s*)```(\w*)\s*$", lines[i])  # indented too (in a list)
             if match is None:
                 i += 1
                 continue
-            end = next(j for j in range(i + 1, len(lines)) if lines[j].startswith("```"))
-            rel = str(path.relative_to(ROOT))
-            blocks.append(Block(rel, i + 1, match.group(1), "\n".join(lines[i + 1 : end])))
+            indent, lang = match.groups()
+            end = next(j for j in range(i + 1, len(lines)) if lines[j].strip() == "```")
+            text = "\n".join(line.removeprefix(indent) for line in lines[i + 1 : end])
+            blocks.append(Block(str(path.relative_to(ROOT)), i + 1, lang, text))
             i = end + 1
     return blocks
 
@@ -167,7 +179,7 @@ def _kvmesh_argv(command: str) -> list[str] | None:
         return None
     if words[-1] == "&":
         words = words[:-1]
-    if "NAME" in words or "..." in words:
+    if PLACEHOLDERS & set(words):
         return None
     return words[1:]
 
@@ -213,13 +225,25 @@ def _documented_answers() -> list[Any]:
     return [json.loads(line.replace("[...]", "[]")) for b in readme for line in b.text.splitlines()]
 
 
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
 @pytest.mark.timeout(180)
 def test_the_readme_tour_runs_as_written() -> None:
-    busy = [port for port in TOUR_PORTS if not _port_free(port)]
-    assert busy == [], f"the tour's ports are taken: {busy}"
+    ports = {port: _free_port() for port in TOUR_PORTS}
     script = "\n".join(block.text for block in _tour_blocks())
-    # How the README says to stop it all.
-    script += "\nkill $(jobs -p)\nwait\n"
+    assert all(re.search(rf"\b{port}\b", script) for port in TOUR_PORTS)
+    for port, free in ports.items():
+        script = re.sub(rf"\b{port}\b", str(free), script)
+    # How the README says to stop it all (kill $(jobs -p)), then each job's exit status.
+    script += (
+        '\npids="$(jobs -p)"\nkill $pids\n'
+        'for pid in $pids; do wait "$pid" || echo "job $pid exited with $?" >&2; done\n'
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVMESH_", "REDIS_URL"))}
     proc = subprocess.Popen(
         ["bash", "-c", script],
@@ -251,4 +275,5 @@ def test_the_readme_tour_runs_as_written() -> None:
     for field in ("policy", "expected_cached_tokens", "num_tokens", "num_blocks"):
         assert explain[field] == documented[3][field], field
     assert proc.returncode == 0, err[-3000:]
-    assert all(_port_free(port) for port in TOUR_PORTS), "the tour left a process behind"
+    assert "exited with" not in err, err[-3000:]
+    assert all(_port_free(port) for port in ports.values()), "the tour left a process behind"

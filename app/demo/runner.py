@@ -350,10 +350,13 @@ def format_table(summaries: dict[str, dict[str, Any]]) -> str:
 
 @contextlib.contextmanager
 def _terminate_on_sigterm() -> Iterator[None]:
-    """SIGTERM becomes KeyboardInterrupt, so that both take the same way out."""
+    """SIGTERM becomes SIGINT, so that both take the same way out: a KeyboardInterrupt, or
+    inside ``asyncio.run`` its own SIGINT handler, which cancels the main task and raises
+    KeyboardInterrupt once the tasks are done. (Raising KeyboardInterrupt from this handler
+    inside the event loop left a task holding it, logged at exit as "never retrieved".)"""
 
     def handler(signum: int, frame: FrameType | None) -> None:
-        raise KeyboardInterrupt
+        signal.raise_signal(signal.SIGINT)
 
     previous = signal.signal(signal.SIGTERM, handler)
     try:
@@ -499,9 +502,13 @@ def _run(
             say(f"serving at {base} (dashboard: {base}/dashboard); Ctrl-C to stop")
         elif deadline > time.monotonic():
             say(f"serving at {base} for {deadline - time.monotonic():.0f} s more")
-        while deadline is None or time.monotonic() < deadline:
-            for name in list(procs.procs):
-                procs.check(name)
-            left = math.inf if deadline is None else deadline - time.monotonic()
-            time.sleep(min(0.5, max(left, 0.0)))
+        try:
+            while deadline is None or time.monotonic() < deadline:
+                for name in list(procs.procs):
+                    procs.check(name)
+                left = math.inf if deadline is None else deadline - time.monotonic()
+                time.sleep(min(0.5, max(left, 0.0)))
+        except KeyboardInterrupt:
+            # Ctrl-C while serving is how a demo without --duration ends: nothing failed.
+            say("kvmesh demo: stopped")
     return summaries

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -118,6 +119,8 @@ class RouterRuntime:
         self.incompatible: dict[str, str] = {}  # worker -> why it is not routed to
         self.cordons: dict[str, Cordon] = {}  # as last read from Redis (app.router.fleet)
         self.num_bad_cordons = 0  # entries of the cordons hash that did not parse
+        self._cordon_writes = 0  # this router's own cordon writes (a read sent before one is old)
+        self._cordon_restarts = 0  # the consumer's Redis restarts when the cordons were read
         self.http = httpx.AsyncClient(
             timeout=httpx.Timeout(settings.proxy_timeout_s, connect=settings.connect_timeout_s),
             limits=httpx.Limits(max_connections=1_024, max_keepalive_connections=256),
@@ -266,6 +269,7 @@ class RouterRuntime:
 
     async def _read_loads(self) -> None:
         states = [s for s in self.consumer.workers().values() if s.alive]
+        writes = self._cordon_writes
         async with self.redis.pipeline(transaction=False) as pipe:
             # Always at least this: redis_ok (and /ready) is true only when Redis answers.
             pipe.hgetall(keys.CORDONS_KEY)
@@ -274,7 +278,8 @@ class RouterRuntime:
                 pipe.pttl(keys.alive_key(state.worker))
                 pipe.xinfo_stream(state.key)
             cordons_raw, *replies = await pipe.execute(raise_on_error=False)
-        self._set_cordons(cordons_raw)
+        if writes == self._cordon_writes:  # else this read predates our own write: skip it
+            await self._set_cordons(cordons_raw)
         now_ms = time.time() * 1000
         behind: list[WorkerState] = []
         for i, state in enumerate(states):
@@ -307,7 +312,7 @@ class RouterRuntime:
                     age = now_ms - _id_key(first[0][0])[0]
                     self.status[state.worker].lag_ms = max(age, 0.0)
 
-    def _set_cordons(self, raw: Any) -> None:
+    async def _set_cordons(self, raw: Any) -> None:
         if isinstance(raw, Exception):  # not a hash (WRONGTYPE): keep what was last read
             if not self.num_bad_cordons:
                 logger.warning("router: cannot read %s: %s", keys.CORDONS_KEY, raw)
@@ -317,10 +322,27 @@ class RouterRuntime:
         if bad and bad != self.num_bad_cordons:
             logger.warning("router: %d malformed entries in %s skipped", bad, keys.CORDONS_KEY)
         self.num_bad_cordons = bad
+        lost = {w: c for w, c in self.cordons.items() if w not in cordons}
+        if lost:
+            # Gone because someone lifted them, or because Redis restarted empty (it needs no
+            # persistence): then they are written back, so that no router puts a cordoned
+            # worker back in rotation. HSETNX: a newer word from another router wins.
+            await self.consumer.check_run_id()
+            if self.consumer.num_redis_restarts != self._cordon_restarts:
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    for worker, cordon in lost.items():
+                        pipe.hsetnx(keys.CORDONS_KEY, worker, json.dumps(cordon.as_dict()))
+                    await pipe.execute()
+                logger.warning(
+                    "router: Redis restarted; wrote back the cordons of %s", ", ".join(sorted(lost))
+                )
+                cordons.update(lost)
+        self._cordon_restarts = self.consumer.num_redis_restarts
         self.cordons = cordons
 
     def apply_cordon(self, worker: str, cordon: Cordon | None) -> None:
         """What this router's admin API just wrote, applied now, not at the next load tick."""
+        self._cordon_writes += 1
         if cordon is None:
             self.cordons.pop(worker, None)
         else:
@@ -344,16 +366,22 @@ class RouterRuntime:
         return entry
 
     async def uncordon(self, worker: str) -> dict[str, Any]:
-        """Back in rotation; a worker that was drained is asked to admit again (``/resume``)."""
+        """Back in rotation; a worker that drains is asked to admit again (``/resume``): the
+        cordon said so, or the worker's registry entry does (a drain that a cordon replaced,
+        or that another router's cordons know of before this one's)."""
         self._check_known(worker)
+        state = self.consumer.workers().get(worker)
         previous = self.cordons.get(worker)
+        draining = (previous is not None and previous.state == "draining") or (
+            state is not None and bool(state.info.get("draining"))
+        )
         try:
             await clear_cordon(self.redis, worker)
         except REDIS_ERRORS as exc:
             raise FleetStoreError(f"Redis is not answering, nothing was recorded: {exc}") from None
         self.apply_cordon(worker, None)
         entry = self.worker_entry(worker)
-        if previous is not None and previous.state == "draining":
+        if draining:
             entry["worker_answer"] = await self._ask_worker(worker, "/resume")
         return entry
 

@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 import redis
 
+from app.redis_server import EmbeddedRedis
 from app.router.service import RouterRuntime
 from events import keys
 from tests.app.router_support import eventually, router_client, router_settings, wait_for
@@ -148,6 +149,32 @@ async def test_a_cordon_is_honoured_by_every_router_and_outlives_them(
             assert client.hgetall(keys.CORDONS_KEY) == {}
 
 
+async def test_a_cordon_outlives_a_redis_restart(embedded_redis: EmbeddedRedis) -> None:
+    """Redis needs no persistence, so a restart empties the cordons hash: the routers write
+    back what they knew, and the cordoned worker stays out of rotation."""
+    url = embedded_redis.url
+    async with two_workers(url), router_client(router_settings(url)) as (router, runtime):
+        await _ready(runtime)
+        assert (await router.post("/workers/w0/cordon", headers=AUTH)).status_code == 200
+        since = runtime.cordons["w0"].since
+        restarts = runtime.consumer.num_redis_restarts
+        embedded_redis.kill()
+        embedded_redis.start()
+
+        def written_back() -> bool:
+            with redis.Redis.from_url(url) as client:
+                return client.hget(keys.CORDONS_KEY, "w0") is not None
+
+        await eventually(written_back)
+        await eventually(lambda: runtime.consumer.num_redis_restarts == restarts + 1)
+        with redis.Redis.from_url(url) as client:
+            stored = json.loads(client.hget(keys.CORDONS_KEY, "w0") or b"{}")
+        assert stored == {"state": "cordoned", "since": since}
+        assert runtime.core.workers["w0"].state == "cordoned"
+        await eventually(lambda: runtime.readiness()["ready"])
+        assert (await router.post("/route", json={"prompt": PROMPT})).json()["worker"] == "w1"
+
+
 def _worker_args(worker: str, port: int, redis_url: str) -> list[str]:
     return [
         *("--worker-id", worker, "--port", str(port), "--redis-url", redis_url),
@@ -231,6 +258,10 @@ def test_a_drain_through_the_router_is_reported_until_done_then_undone(
             httpx.get(f"{base}/metrics").text
         )
 
+        # A cordon in place of the drain: the worker still drains (its registry says so), and
+        # lifting the cordon asks it to admit again all the same.
+        cordoned = httpx.post(f"{base}/workers/w0/cordon", headers=AUTH).json()
+        assert (cordoned["state"], "worker_answer" in cordoned) == ("draining", False)
         back = httpx.post(f"{base}/workers/w0/uncordon", headers=AUTH)
         assert back.status_code == 200
         assert back.json()["worker_answer"]["body"]["draining"] is False

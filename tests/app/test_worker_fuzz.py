@@ -13,8 +13,9 @@ abandoned by their client mid-flight, sometimes followed by ``GET /sequences/{id
 while live. Values that depend on the worker's state (the hash of a block in the reuse tree or
 of a pinned one, a live request's id) are markers resolved when the request is sent.
 
-The property: no request gets a 5xx (but the documented 503 for a completion that does not fit
-an idle cache whose room pinned blocks take), raises out of the app or hangs; every 4xx is
+The property: no request gets a 5xx (but the documented 503s: those of a drained worker, and
+a completion that does not fit an idle cache whose room pinned blocks take), raises out of the
+app or hangs; every 4xx is
 OpenAI's error shape; and after the program every completion has finished (``engine.jobs``
 empty), the manager holds no sequence, the free primary blocks are the capacity less the
 distinct pinned primary blocks (secondary alike), every pinned block stays in the reuse tree
@@ -675,9 +676,27 @@ def is_no_room(response: httpx.Response) -> bool:
     return message.startswith("no room in the KV cache")
 
 
+def is_drained(sent: Sent, response: httpx.Response) -> bool:
+    """The other documented 503s: after an operator's ``POST /drain`` (which a fuzz may send
+    with the right token) the worker refuses completions and says it is not ready, until
+    ``POST /resume``."""
+    if response.status_code != 503:
+        return False
+    if sent.url == "/ready":
+        checks = response.json()["checks"]
+        return bool(checks == {"engine": True, "redis": True, "admitting": False})
+    if sent.url != "/v1/completions" or not response.headers.get("retry-after"):
+        return False
+    check_error_shape(response, response.text)
+    message: str = response.json()["error"]["message"]
+    return message == "the worker is draining (an operator asked for it)"
+
+
 def check_response(sent: Sent, response: httpx.Response) -> None:
     context = f"{sent}\n-> {response.status_code} {response.text[:1000]}"
     if sent.url == "/v1/completions" and is_no_room(response):
+        return
+    if is_drained(sent, response):
         return
     assert response.status_code < 500, f"5xx: {context}"
     if response.status_code >= 400:

@@ -336,18 +336,21 @@ async def _watch_alive(consumer: Any, workers: set[str], missing: list[float]) -
         await asyncio.sleep(0.002)
 
 
+@pytest.mark.parametrize("heartbeats_first", [False, True], ids=["both_gone", "heartbeats_first"])
 async def test_a_redis_restart_holds_every_worker_until_it_registers_again(
-    embedded_redis: EmbeddedRedis,
+    embedded_redis: EmbeddedRedis, heartbeats_first: bool
 ) -> None:
     """Redis restarts empty: the registry and the heartbeats are gone until each worker's next
-    heartbeat (up to two seconds here). The consumer must keep following every worker through
-    that, never report one gone, and rebuild the index from the new snapshots."""
+    heartbeat (up to 1.5 s here). The consumer must keep following every worker through
+    that, never report one gone, and rebuild the index from the new snapshots. Also when the
+    heartbeats come back before the registry (on a Redis Cluster they live on other primaries,
+    and only the registry's may restart)."""
     url = embedded_redis.url
     workloads = [Workload(seed=210 + i) for i in range(2)]
-    # A heartbeat every 2 s: the registry stays empty for up to 2 s after the restart, while
-    # the consumer reads it every 50 ms.
+    # A heartbeat every 1.5 s: the registry stays empty for up to 1.5 s after the restart,
+    # while the consumer reads it every 50 ms (and holds each worker for its 2 s TTL).
     publishers = [
-        make_publisher(url, f"w{i}", w, heartbeat_interval_s=2.0, heartbeat_ttl_s=5.0)
+        make_publisher(url, f"w{i}", w, heartbeat_interval_s=1.5, heartbeat_ttl_s=2.0)
         for i, w in enumerate(workloads)
     ]
     workers = {p.worker_id: (w, p) for w, p in zip(workloads, publishers, strict=True)}
@@ -362,6 +365,14 @@ async def test_a_redis_restart_holds_every_worker_until_it_registers_again(
             embedded_redis.kill()
             await asyncio.sleep(0.2)
             embedded_redis.start()
+            if heartbeats_first:
+                client: Any = aioredis.Redis.from_url(url)
+                try:
+                    for publisher in publishers:
+                        beat = f"{publisher.epoch} {publisher.last_seq}"
+                        await client.set(keys.alive_key(publisher.worker_id), beat, px=2_000)
+                finally:
+                    await client.aclose()
             await wait_until(lambda: all(p.registered for p in publishers))
             await wait_until(lambda: consumer.stats()["held_workers"] == 0)
             await asyncio.gather(*(drive(w, p, 20) for w, p in workers.values()))
