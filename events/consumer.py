@@ -501,8 +501,8 @@ class EventConsumer:
         if self._run_id is not None and run_id != self._run_id:
             self.num_redis_restarts += 1
             logger.warning(
-                "consumer: Redis restarted (new run_id); resynchronising every worker, each kept "
-                "until it registers again or its heartbeat TTL is over"
+                "consumer: Redis restarted (new run_id); resynchronising every worker, each "
+                "held for its heartbeat TTL while it registers again"
             )
             now = time.monotonic()
             for state in self._workers.values():
