@@ -21,7 +21,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from app.bench import BENCHMARK_HELP, BENCHMARKS, load_benchmark
-from app.settings import Settings
+from app.core.settings import Settings
 
 __all__ = ["build_parser", "main", "parse_args"]
 

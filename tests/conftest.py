@@ -13,7 +13,7 @@ import pytest
 import redis
 from hypothesis import HealthCheck, settings
 
-from app.redis_server import EmbeddedRedis
+from app.core.embedded_redis import EmbeddedRedis
 
 # Deadlines flake on a loaded 2-core CI machine; CI also runs derandomised so a failure there
 # reproduces locally with HYPOTHESIS_PROFILE=ci.

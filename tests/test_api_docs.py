@@ -1,4 +1,4 @@
-"""docs/api.md is what ``python -m app.apidoc`` renders from the worker's and the router's
+"""docs/api.md is what ``python tools/apidoc.py`` renders from the worker's and the router's
 OpenAPI schemas now: a route, a field or a bound changed in code fails here until the page is
 regenerated."""
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from app import apidoc
+from tools import apidoc
 
 API_MD = Path(__file__).resolve().parents[1] / "docs" / "api.md"
 

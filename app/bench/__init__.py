@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
 
-    from app.redis_server import EmbeddedRedis
+    from app.core.embedded_redis import EmbeddedRedis
 
 __all__ = [
     "BENCHMARKS",
@@ -103,8 +103,8 @@ def load_benchmark(name: str) -> Benchmark:
 def bench_redis() -> Iterator[tuple[str, EmbeddedRedis | None]]:
     """The Redis a benchmark runs against: $REDIS_URL / KVMESH_REDIS_URL when set (no server of
     ours: None), else a private embedded ``redis-server`` for the run (stopped after it)."""
-    from app.redis_server import EmbeddedRedis
-    from app.settings import Settings
+    from app.core.embedded_redis import EmbeddedRedis
+    from app.core.settings import Settings
 
     url = Settings().redis_url
     if url is not None:

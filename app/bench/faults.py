@@ -87,7 +87,7 @@ import redis.asyncio as aioredis
 
 from app.bench.events import Recording, record
 from app.bench.worker import _free_port, kvmesh_process
-from app.redis_server import EmbeddedRedis
+from app.core.embedded_redis import EmbeddedRedis
 from app.router.service import RouterRuntime
 from app.router.settings import RouterSettings
 from cache import KVCacheEvent, StoredBlock, StoredData

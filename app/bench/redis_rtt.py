@@ -15,8 +15,8 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.typing import EncodableT, FieldT
 
-from app.redis_server import EmbeddedRedis
-from app.settings import Settings
+from app.core.embedded_redis import EmbeddedRedis
+from app.core.settings import Settings
 
 _STREAM_KEY = "kvmesh:bench:stream"
 

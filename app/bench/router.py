@@ -70,7 +70,7 @@ import uvloop
 
 from app.bench.index import NUM_WORKERS, SEED, TOKENS_PER_BLOCK, build_streaming, generate
 from app.bench.worker import _cpu_seconds, _free_port, _machine_busy_seconds, kvmesh_process
-from app.redis_server import EmbeddedRedis
+from app.core.embedded_redis import EmbeddedRedis
 from app.router.core import RouterCore
 from app.router.policy import RouteRequest, choose
 from cache import KVCacheEvent

@@ -27,7 +27,7 @@ from fastapi import APIRouter, FastAPI, Header, Request
 from fastapi.responses import FileResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 
-from app.http import OrjsonResponse, error
+from app.core.http import OrjsonResponse, error
 
 if TYPE_CHECKING:
     from app.router.service import RouterRuntime

@@ -6,8 +6,8 @@ from __future__ import annotations
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
+from app.core.settings import Settings
 from app.router.settings import RouterSettings
-from app.settings import Settings
 
 __all__ = ["DashboardSettings"]
 

@@ -1,6 +1,6 @@
 """``kvmesh demo``: the whole system on one machine, and the comparison it is for.
 
-1. Redis: ``REDIS_URL`` if set, else a private ``redis-server`` (``app.redis_server``).
+1. Redis: ``REDIS_URL`` if set, else a private ``redis-server`` (``app.core.embedded_redis``).
 2. A router with the dashboard (``kvmesh router``, its admin token made up for the run); its
    dashboard URL is printed as soon as it answers.
 3. For each policy (``kv_aware``, then ``round_robin``): a fresh set of worker processes
@@ -60,7 +60,7 @@ import httpx
 import numpy as np
 import orjson
 
-from app.redis_server import EmbeddedRedis, death_signal_preexec
+from app.core.embedded_redis import EmbeddedRedis, death_signal_preexec
 from app.replay.report import load_imbalance
 from app.replay.trace import TokenSource, TraceRequest, load_trace
 

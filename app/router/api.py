@@ -3,13 +3,14 @@
 Handlers are thin: prompts become block hashes, the ``RouterCore`` decides, ``proxy`` forwards.
 Errors are mapped to HTTP once, here, in OpenAI's shape::
 
-    RequestValidationError, BadPrompt           400 (naming the field)
+    RequestValidationError, BadRequest          400 (naming the field)
     missing bearer token                        401
     admin calls disabled, or a wrong token      403
-    UnknownWorkerError (fleet admin)            404
+    NotFound (fleet admin: an unknown worker)   404
     body over max_body_bytes                    413
     NoWorkerError                               503 + Retry-After
-    FleetStoreError (Redis down, fleet admin)   503 (nothing was recorded)
+    Unavailable (fleet admin: Redis is down)    503 (nothing was recorded)
+    (BadRequest, NotFound, Unavailable: ``app.core.errors``)
 
 A worker's own answer (a 4xx about the request, say) is passed through as it came, with the
 worker's id in ``x-kvmesh-worker``. A worker that fails before answering (connection refused
@@ -34,7 +35,8 @@ from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.http import (
+from app.core.errors import BadRequest
+from app.core.http import (
     OrjsonResponse,
     OrjsonRoute,
     admin_dependency,
@@ -42,23 +44,16 @@ from app.http import (
     error_responses,
     install_error_handlers,
 )
-from app.middleware import BodyLimit, error_body
+from app.core.middleware import BodyLimit, error_body
 from app.router import schemas
 from app.router.core import NoWorkerError
 from app.router.metrics import CONTENT_TYPE
 from app.router.policy import Candidate, Decision, Weights
-from app.router.service import FleetStoreError, RouterRuntime, UnknownWorkerError
+from app.router.service import RouterRuntime
 
-__all__ = ["BadPrompt", "install"]
+__all__ = ["install"]
 
 _RETRY_STATUSES = frozenset((502, 503, 504))
-
-
-class BadPrompt(Exception):
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param = param
-        self.message = message
 
 
 async def _runtime(request: Request) -> RouterRuntime:
@@ -79,26 +74,26 @@ def _tokens(
     which is also the range check)."""
     if isinstance(prompt, str):
         if runtime.tokenizer is None:
-            raise BadPrompt(
-                param,
+            raise BadRequest(
                 f"{param}: text prompts need the router's tokenizer (--tokenizer); "
                 "send token ids instead",
+                param=param,
             )
         tokens = runtime.tokenize(prompt)
     else:
         tokens = prompt
     if not tokens:
-        raise BadPrompt(param, f"{param}: must hold at least one token")
+        raise BadRequest(f"{param}: must hold at least one token", param=param)
     if len(tokens) > runtime.settings.max_prompt_tokens:
-        raise BadPrompt(
-            param,
+        raise BadRequest(
             f"{param}: {len(tokens)} tokens; the router takes at most "
             f"{runtime.settings.max_prompt_tokens}",
+            param=param,
         )
     try:
         words = np.frombuffer(array("I", tokens), dtype=np.uint32)
     except OverflowError:
-        raise BadPrompt(param, f"{param}: token ids must be within 0..2**32-1") from None
+        raise BadRequest(f"{param}: token ids must be within 0..2**32-1", param=param) from None
     return tokens, words
 
 
@@ -111,7 +106,7 @@ def _routing(runtime: RouterRuntime, routing: schemas.Routing | None) -> tuple[s
         try:
             weights = weights.updated(**routing.weights.model_dump())
         except ValueError as exc:
-            raise BadPrompt("routing.weights", f"routing.weights: {exc}") from None
+            raise BadRequest(f"routing.weights: {exc}", param="routing.weights") from None
     return routing.policy or core.policy, weights
 
 
@@ -231,7 +226,7 @@ def _routing_router() -> APIRouter:
         payload["prompt"] = tokens
         request_id = body.request_id or f"cmpl-{uuid.uuid4().hex}"
         if request_id in runtime.core.inflight:
-            raise BadPrompt("request_id", f"request_id: {request_id!r} is already in flight")
+            raise BadRequest(f"request_id: {request_id!r} is already in flight", param="request_id")
         payload["request_id"] = request_id
         return await _proxy(runtime, body, words, payload, request_id)
 
@@ -432,26 +427,6 @@ def _policy_body(runtime: RouterRuntime) -> dict[str, Any]:
 
 def _install_error_handlers(app: FastAPI, retry_after_s: int) -> None:
     install_error_handlers(app)
-
-    @app.exception_handler(BadPrompt)
-    async def bad_prompt(request: Request, exc: BadPrompt) -> Response:
-        return error(400, exc.message, "invalid_request_error", exc.param)
-
-    @app.exception_handler(UnknownWorkerError)
-    async def unknown_worker(request: Request, exc: UnknownWorkerError) -> Response:
-        worker = exc.args[0]
-        return error(
-            404,
-            f"no worker {worker!r}: GET /workers lists the workers this router follows",
-            "not_found_error",
-            "worker_id",
-        )
-
-    @app.exception_handler(FleetStoreError)
-    async def fleet_store_down(request: Request, exc: FleetStoreError) -> Response:
-        return error(
-            503, str(exc), "unavailable_error", None, **{"Retry-After": str(retry_after_s)}
-        )
 
     @app.exception_handler(NoWorkerError)
     async def no_worker(request: Request, exc: NoWorkerError) -> Response:

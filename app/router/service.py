@@ -2,7 +2,7 @@
 an HTTP client proxying, and the loop that keeps the core's view of the workers current.
 
 ``RouterRuntime.start(settings)`` builds everything (nothing at import time; a Redis that
-refuses the URL's credentials stops it, see ``app.redis_access``) and starts two tasks on the
+refuses the URL's credentials stops it, see ``app.core.redis``) and starts two tasks on the
 event loop:
 
 * the consumer (``events.consumer``): every registered worker's stream into the index; it gives
@@ -44,10 +44,11 @@ import uvicorn
 from fastapi import FastAPI
 from redis.asyncio import Redis
 
+from app.core.errors import NotFound, Unavailable
+from app.core.http import uvicorn_config
+from app.core.redis import RedisCredentialsError, check_credentials
 from app.dashboard.api import FrameHub
 from app.dashboard.state import DashboardState
-from app.http import uvicorn_config
-from app.redis_access import RedisCredentialsError, check_credentials
 from app.router.core import RouterCore
 from app.router.fleet import Cordon, CordonState, clear_cordon, parse_cordons, set_cordon
 from app.router.metrics import RouterMetrics
@@ -58,9 +59,7 @@ from events.index import PrefixIndex
 from events.redis_io import REDIS_ERRORS, raise_if_cancelled, redis_client
 
 __all__ = [
-    "FleetStoreError",
     "RouterRuntime",
-    "UnknownWorkerError",
     "WorkerStatus",
     "create_app",
     "serve",
@@ -69,14 +68,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _DEFAULT_TOKENS_PER_BLOCK = 16
-
-
-class UnknownWorkerError(KeyError):
-    """An admin call named a worker this router neither follows nor has cordoned."""
-
-
-class FleetStoreError(RuntimeError):
-    """Redis did not take a cordon (or its removal): nothing was recorded."""
 
 
 @dataclass(slots=True)
@@ -358,7 +349,7 @@ class RouterRuntime:
         try:
             cordon = await set_cordon(self.redis, worker, state)
         except REDIS_ERRORS as exc:
-            raise FleetStoreError(f"Redis is not answering, nothing was recorded: {exc}") from None
+            raise self._not_recorded(exc) from None
         self.apply_cordon(worker, cordon)
         entry = self.worker_entry(worker)
         if state == "draining":
@@ -378,7 +369,7 @@ class RouterRuntime:
         try:
             await clear_cordon(self.redis, worker)
         except REDIS_ERRORS as exc:
-            raise FleetStoreError(f"Redis is not answering, nothing was recorded: {exc}") from None
+            raise self._not_recorded(exc) from None
         self.apply_cordon(worker, None)
         entry = self.worker_entry(worker)
         if draining:
@@ -387,7 +378,16 @@ class RouterRuntime:
 
     def _check_known(self, worker: str) -> None:
         if worker not in self.consumer.workers() and worker not in self.cordons:
-            raise UnknownWorkerError(worker)
+            raise NotFound(
+                f"no worker {worker!r}: GET /workers lists the workers this router follows",
+                param="worker_id",
+            )
+
+    def _not_recorded(self, exc: BaseException) -> Unavailable:
+        return Unavailable(
+            f"Redis is not answering, nothing was recorded: {exc}",
+            retry_after_s=self.settings.retry_after_s,
+        )
 
     async def _ask_worker(self, worker: str, path: str) -> dict[str, Any]:
         """``POST path`` to the worker with this router's admin token (a fleet shares one);

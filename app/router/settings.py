@@ -14,8 +14,8 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
+from app.core.settings import Settings
 from app.router.policy import Weights
-from app.settings import Settings
 
 __all__ = ["PolicyName", "RouterSettings"]
 

@@ -10,6 +10,7 @@ the exception handlers below, as OpenAI's error shape ``{"error": {"message", "t
     admin calls disabled, or a wrong token                             403
     NotFound, UnknownBlockError, UnknownRequestError                   404
     DuplicateJobError, PinConflictError, Conflict                      409
+    (BadRequest, NotFound, Conflict: ``app.core.errors``)
     body over max_body_bytes                                           413
     QueueFullError                                                     429 + Retry-After
     DrainingError                                                      503 + Retry-After
@@ -30,7 +31,8 @@ import orjson
 from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi.responses import Response, StreamingResponse
 
-from app.http import (
+from app.core.errors import Conflict, NotFound
+from app.core.http import (
     OrjsonResponse,
     OrjsonRoute,
     admin_dependency,
@@ -38,9 +40,9 @@ from app.http import (
     error_responses,
     install_error_handlers,
 )
-from app.middleware import BodyLimit
+from app.core.middleware import BodyLimit
 from app.worker import schemas
-from app.worker.completions import BadRequest, completion_body, make_job
+from app.worker.completions import completion_body, make_job
 from app.worker.engine import DrainingError, DuplicateJobError, EngineError, Job, QueueFullError
 from app.worker.metrics import CONTENT_TYPE
 from app.worker.service import WorkerRuntime
@@ -55,15 +57,7 @@ from cache import (
 )
 from events.snapshot import manager_snapshot
 
-__all__ = ["Conflict", "NotFound", "install"]
-
-
-class NotFound(Exception):
-    pass
-
-
-class Conflict(Exception):
-    """The call cannot be made in the worker's state (resuming while shutting down)."""
+__all__ = ["install"]
 
 
 _error = error
@@ -440,23 +434,14 @@ def _admin_router(settings: WorkerSettings) -> APIRouter:
 def _install_error_handlers(app: FastAPI) -> None:
     install_error_handlers(app)
 
-    @app.exception_handler(BadRequest)
-    async def bad_request(request: Request, exc: BadRequest) -> Response:
-        return _error(400, exc.message, "invalid_request_error", exc.param)
-
     @app.exception_handler(InvalidRetentionConfigError)
     async def bad_retention(request: Request, exc: InvalidRetentionConfigError) -> Response:
         return _error(400, f"retention: {exc}", "invalid_request_error", "retention")
 
-    @app.exception_handler(NotFound)
     @app.exception_handler(UnknownBlockError)
     @app.exception_handler(UnknownRequestError)
     async def not_found(request: Request, exc: Exception) -> Response:
         return _error(404, str(exc), "not_found_error")
-
-    @app.exception_handler(Conflict)
-    async def conflict(request: Request, exc: Conflict) -> Response:
-        return _error(409, str(exc), "conflict_error")
 
     @app.exception_handler(PinConflictError)
     async def pin_conflict(request: Request, exc: PinConflictError) -> Response:

@@ -1,10 +1,6 @@
 """Completion requests: checked against the model and the cache, turned into engine jobs; and
-finished jobs turned into OpenAI completions. Plain functions, no HTTP.
-
-Errors::
-
-    Exception
-     └── BadRequest      the request cannot be served as it is (``param`` names the field)
+finished jobs turned into OpenAI completions. Plain functions, no HTTP; a request that cannot
+be served as it is raises ``app.core.errors.BadRequest`` naming the field.
 """
 
 from __future__ import annotations
@@ -12,20 +8,14 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
+from app.core.errors import BadRequest
 from app.worker import schemas
 from app.worker.backend import prompt_seed
 from app.worker.engine import Job
 from app.worker.settings import ModelShape
 from cache import InvalidRetentionConfigError, RetentionConfig, TokenRangeRetention, cache_salt_id
 
-__all__ = ["BadRequest", "completion_body", "make_job", "usage"]
-
-
-class BadRequest(Exception):
-    def __init__(self, param: str | None, message: str) -> None:
-        super().__init__(message)
-        self.param = param
-        self.message = message
+__all__ = ["completion_body", "make_job", "usage"]
 
 
 def _retention(spec: schemas.Retention) -> RetentionConfig:
@@ -38,7 +28,7 @@ def _retention(spec: schemas.Retention) -> RetentionConfig:
             decode_duration_s=spec.decode_duration_s,
         )
     except InvalidRetentionConfigError as exc:
-        raise BadRequest("retention", f"retention: {exc}") from None
+        raise BadRequest(f"retention: {exc}", param="retention") from None
 
 
 def _check_length(
@@ -51,32 +41,32 @@ def _check_length(
     window = shape.max_seq_len
     if prompt_tokens >= window:
         raise BadRequest(
-            "prompt",
             f"prompt: {prompt_tokens} tokens; this model's window is {window} tokens "
             f"(prompt + max_tokens), so a prompt takes at most {window - 1}",
+            param="prompt",
         )
     total = prompt_tokens + max_tokens
     if total > window:
         raise BadRequest(
-            "max_tokens",
             f"max_tokens: this model's maximum context length is {window} tokens; you "
             f"requested {total} tokens ({prompt_tokens} in the prompt, {max_tokens} in the "
             f"completion): lower max_tokens to at most {window - prompt_tokens}",
+            param="max_tokens",
         )
     tpb = shape.tokens_per_block
     least = -(-(prompt_tokens + 1) // tpb)
     if least > capacity_blocks:
         raise BadRequest(
-            "prompt",
             f"prompt: {prompt_tokens} tokens and one generated need {least} KV cache blocks, "
             f"the worker has {capacity_blocks}",
+            param="prompt",
         )
     need = -(-total // tpb)
     if need > capacity_blocks:
         raise BadRequest(
-            "max_tokens",
             f"max_tokens: the request needs {need} KV cache blocks, the worker has "
             f"{capacity_blocks}",
+            param="max_tokens",
         )
 
 
@@ -85,20 +75,20 @@ def make_job(body: schemas.CompletionRequest, shape: ModelShape, capacity_blocks
     prompt = body.prompt
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], str)):
         raise BadRequest(
-            "prompt", "prompt: a worker takes token ids; send text prompts to the router"
+            "prompt: a worker takes token ids; send text prompts to the router", param="prompt"
         )
     if prompt and isinstance(prompt[0], list):
-        raise BadRequest("prompt", "prompt: one prompt per request (a list of token ids)")
+        raise BadRequest("prompt: one prompt per request (a list of token ids)", param="prompt")
     tokens: list[int] = prompt  # type: ignore[assignment]
     if not tokens:
-        raise BadRequest("prompt", "prompt: must hold at least one token id")
+        raise BadRequest("prompt: must hold at least one token id", param="prompt")
     low, high = min(tokens), max(tokens)
     if low < 0 or high >= shape.vocab_size:
         bad = low if low < 0 else high
         raise BadRequest(
-            "prompt",
             f"prompt: token id {bad} at index {tokens.index(bad)} is outside the vocabulary "
             f"0..{shape.vocab_size - 1}",
+            param="prompt",
         )
     _check_length(len(tokens), body.max_tokens, shape, capacity_blocks)
     retention = _retention(body.retention) if body.retention is not None else None

@@ -1,7 +1,7 @@
 """The worker process: ``WorkerRuntime`` (everything one worker owns), ``create_app`` and ``serve``.
 
 ``WorkerRuntime.start(settings)`` builds, in order: the embedded Redis when no URL is given
-(else it checks that Redis takes the URL's credentials: ``app.redis_access``), the
+(else it checks that Redis takes the URL's credentials: ``app.core.redis``), the
 ``KVCacheManager`` and its torch pools, the back-end, the engine, and the
 ``EventPublisher`` (whose start writes the first snapshot, the registry entry and the
 heartbeat); then it starts the engine task. ``aclose`` stops admitting, stops the engine,
@@ -32,9 +32,9 @@ import uvicorn
 from fastapi import FastAPI
 from redis.asyncio import Redis
 
-from app.http import uvicorn_config
-from app.redis_access import RedisCredentialsError, check_credentials
-from app.redis_server import EmbeddedRedis
+from app.core.embedded_redis import EmbeddedRedis
+from app.core.http import uvicorn_config
+from app.core.redis import RedisCredentialsError, check_credentials
 from app.worker.backend import Backend, SimBackend, SimTiming
 from app.worker.engine import Engine, EngineConfig, Job, VirtualClock
 from app.worker.metrics import WorkerMetrics

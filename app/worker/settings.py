@@ -18,7 +18,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from app.settings import Settings
+from app.core.settings import Settings
 from cache import capacity
 
 __all__ = ["MODEL_PRESETS", "ModelShape", "WorkerSettings"]

@@ -24,7 +24,7 @@ from urllib.parse import quote
 
 import redis
 
-from app.redis_server import find_redis_server
+from app.core.embedded_redis import find_redis_server
 
 __all__ = [
     "ADMIN_PASSWORD",

@@ -26,7 +26,7 @@ import playwright.sync_api as playwright_api
 import pytest
 import redis
 
-from app.redis_server import EmbeddedRedis
+from app.core.embedded_redis import EmbeddedRedis
 from events import keys
 from tests.app.router_support import two_workers_and_a_router, wait_for
 

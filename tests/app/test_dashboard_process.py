@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import orjson
 
-from app.redis_server import EmbeddedRedis
+from app.core.embedded_redis import EmbeddedRedis
 from tests.app.worker_support import free_port, service_process, wait_ready
 
 PROMPT = list(range(200, 280))  # 80 tokens: 5 full blocks of 16

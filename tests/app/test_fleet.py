@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import redis
 
-from app.redis_server import EmbeddedRedis
+from app.core.embedded_redis import EmbeddedRedis
 from app.router.service import RouterRuntime
 from events import keys
 from tests.app.router_support import eventually, router_client, router_settings, wait_for

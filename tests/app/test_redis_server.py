@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from app.redis_server import (
+from app.core.embedded_redis import (
     EmbeddedRedis,
     EmbeddedRedisError,
     find_redis_server,
@@ -126,7 +126,7 @@ def test_no_orphan_when_the_parent_is_sigkilled(tmp_path: Path) -> None:
     child_code = textwrap.dedent(
         """
         import sys, time
-        from app.redis_server import EmbeddedRedis
+        from app.core.embedded_redis import EmbeddedRedis
         server = EmbeddedRedis().start()
         print(server.pid, server.port, flush=True)
         time.sleep(600)
@@ -163,7 +163,7 @@ def test_no_orphan_when_the_parent_is_sigkilled(tmp_path: Path) -> None:
 def test_an_embedded_cluster_spreads_keys_and_survives_a_master() -> None:
     from redis.cluster import RedisCluster
 
-    from app.redis_server import EmbeddedCluster
+    from app.core.embedded_redis import EmbeddedCluster
 
     with EmbeddedCluster(3, replicas=1) as cluster:
         assert cluster.url == f"redis+cluster://127.0.0.1:{cluster.masters[0].port}"

@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from app.redis_server import EmbeddedCluster, EmbeddedRedis
+from app.core.embedded_redis import EmbeddedCluster, EmbeddedRedis
 from app.router.service import RouterRuntime
 from tests.app.router_support import eventually, router_client, router_settings
 from tests.app.worker_support import AUTH, worker_client, worker_settings
@@ -257,7 +257,11 @@ async def test_without_redis_the_router_routes_on_what_it_knew_and_says_so(
         assert ready["stale"] == {"w0": "redis_unreachable", "w1": "redis_unreachable"}
         assert "redis is not answering" in ready["reasons"]
         embedded_redis.start()
-        await eventually(lambda: runtime.readiness()["ready"], timeout_s=20)
+        # Ready once one worker is fresh; every one is once its load is written again too.
+        await eventually(
+            lambda: runtime.readiness()["ready"] and not runtime.readiness()["stale"],
+            timeout_s=20,
+        )
         assert (await router.post("/route", json={"prompt": PROMPT})).json()["fresh"] is True
 
 

@@ -28,7 +28,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from app.redis_server import EmbeddedRedis
+from app.core.embedded_redis import EmbeddedRedis
 from app.router.service import RouterRuntime
 from app.router.service import create_app as router_app
 from app.worker.service import create_app as worker_app

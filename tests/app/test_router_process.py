@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import orjson
 
-from app.redis_server import EmbeddedRedis
+from app.core.embedded_redis import EmbeddedRedis
 from tests.app.router_support import two_workers_and_a_router, wait_for
 
 PROMPT = list(range(300, 400))  # 100 tokens: 6 full blocks of 16

@@ -26,7 +26,7 @@ import pytest
 import redis
 from fastapi import FastAPI
 
-from app.redis_access import RedisCredentialsError
+from app.core.redis import RedisCredentialsError
 from app.router.service import create_app as router_app
 from app.worker.service import create_app as worker_app
 from events.redis_io import redis_client

@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
+from app.core.settings import Settings
 from app.router.settings import RouterSettings
-from app.settings import Settings
 
 
 def test_defaults(monkeypatch: pytest.MonkeyPatch) -> None:

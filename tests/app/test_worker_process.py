@@ -10,7 +10,7 @@ import httpx
 import orjson
 import redis
 
-from app.redis_server import EmbeddedRedis
+from app.core.embedded_redis import EmbeddedRedis
 from events import keys
 from tests.app.test_worker_api import expected_output
 from tests.app.worker_support import ADMIN_TOKEN, free_port, wait_ready, worker_process

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 from redis.cluster import RedisCluster
 
-from app.redis_server import EmbeddedCluster
+from app.core.embedded_redis import EmbeddedCluster
 from events import keys
 from tests.events.support import Workload, assert_index_exact, drive, make_consumer, make_publisher
 

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from app.redis_server import EmbeddedRedis
+from app.core.embedded_redis import EmbeddedRedis
 from cache import KVCacheEvent, RemovedData
 from events import keys
 from events.envelope import decode_envelope, make_envelope

@@ -10,7 +10,7 @@ import time
 import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from app.redis_server import EmbeddedRedis
+from app.core.embedded_redis import EmbeddedRedis
 from events.redis_io import Backoff, redacted_url, redis_client, stop_tasks
 
 LOGGER = logging.getLogger("events.test_redis_io")

@@ -21,7 +21,8 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel, SecretStr
 from starlette.exceptions import HTTPException
 
-from app.middleware import error_body
+from app.core.errors import ApiError
+from app.core.middleware import error_body
 
 __all__ = [
     "ErrorDetail",
@@ -173,9 +174,14 @@ def _body_error(request: Request, exc: RequestValidationError, first: dict[str, 
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    """400 for a request the schema refuses (naming the field; for a body that is malformed,
-    empty or not an object, saying what and where, with a null ``param``), and OpenAI's shape
-    for the framework's HTTPExceptions (401 with ``WWW-Authenticate``, 403, 404, 405, 413)."""
+    """Every ``app.core.errors.ApiError`` as its status and OpenAI's shape; 400 for a request
+    the schema refuses (naming the field; for a body that is malformed, empty or not an object,
+    saying what and where, with a null ``param``); and OpenAI's shape for the framework's
+    HTTPExceptions (401 with ``WWW-Authenticate``, 403, 404, 405, 413)."""
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError) -> Response:
+        return error(exc.status, exc.message, exc.kind, exc.param, **exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> Response:
