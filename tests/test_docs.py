@@ -27,6 +27,7 @@ from typing import Any
 import pytest
 
 from app.cli import parse_args
+from app.core.net import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -225,16 +226,9 @@ def _documented_answers() -> list[Any]:
     return [json.loads(line.replace("[...]", "[]")) for b in readme for line in b.text.splitlines()]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 @pytest.mark.timeout(180)
 def test_the_readme_tour_runs_as_written() -> None:
-    ports = {port: _free_port() for port in TOUR_PORTS}
+    ports = {port: free_port() for port in TOUR_PORTS}
     script = "\n".join(block.text for block in _tour_blocks())
     assert all(re.search(rf"\b{port}\b", script) for port in TOUR_PORTS)
     for port, free in ports.items():

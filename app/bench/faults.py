@@ -86,8 +86,9 @@ import orjson
 import redis.asyncio as aioredis
 
 from app.bench.events import Recording, record
-from app.bench.worker import _free_port, kvmesh_process
+from app.bench.worker import kvmesh_process
 from app.core.embedded_redis import EmbeddedRedis
+from app.core.net import free_port
 from app.router.service import RouterRuntime
 from app.router.settings import RouterSettings
 from cache import KVCacheEvent, StoredBlock, StoredData
@@ -239,7 +240,7 @@ def cluster(
     out = Cluster(redis_url)
     with contextlib.ExitStack() as stack:
         for i in range(num_workers):
-            worker_id, port = f"w{i}", _free_port()
+            worker_id, port = f"w{i}", free_port()
             flags = worker_flags(
                 worker_id,
                 port,
@@ -254,7 +255,7 @@ def cluster(
         for worker_id, proc in out.workers.items():
             wait_ready(out.worker_urls[worker_id], proc, log)
         if router:
-            port = _free_port()
+            port = free_port()
             flags = ["router", "--host", HOST, "--port", str(port), "--redis-url", redis_url]
             flags += ["--load-interval-s", "0.05", "--sync-interval-s", "0.02"]
             out.router = stack.enter_context(kvmesh_process(flags, log))
@@ -804,7 +805,7 @@ def _router_ready_with(
 ) -> Iterator[tuple[subprocess.Popen[bytes], str, float]]:
     """``kvmesh router``; yields once it is ready with every worker's blocks per tier, with
     its URL and the seconds that took from the process' start."""
-    port = _free_port()
+    port = free_port()
     url = f"http://{HOST}:{port}"
     flags = ["router", "--host", HOST, "--port", str(port), "--redis-url", redis_url]
     start = time.monotonic()

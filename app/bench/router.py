@@ -69,8 +69,9 @@ import orjson
 import uvloop
 
 from app.bench.index import NUM_WORKERS, SEED, TOKENS_PER_BLOCK, build_streaming, generate
-from app.bench.worker import _cpu_seconds, _free_port, _machine_busy_seconds, kvmesh_process
+from app.bench.worker import _cpu_seconds, _machine_busy_seconds, kvmesh_process
 from app.core.embedded_redis import EmbeddedRedis
+from app.core.net import free_port
 from app.router.core import RouterCore
 from app.router.policy import RouteRequest, choose
 from cache import KVCacheEvent
@@ -500,7 +501,7 @@ def _serve_and_drive(
 ) -> tuple[Outcome, dict[str, Any], float, float]:
     """Publishers, then the router; once it has caught up, the timed part. Returns the outcome,
     the router's index stats, the seconds it took to catch up, the load average before."""
-    port = _free_port()
+    port = free_port()
     base_url = f"http://{HOST}:{port}"
     with (
         _publishers(server.url, stream, loads) as publishers,

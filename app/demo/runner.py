@@ -61,6 +61,7 @@ import numpy as np
 import orjson
 
 from app.core.embedded_redis import EmbeddedRedis, death_signal_preexec
+from app.core.net import free_port, port_is_free
 from app.replay.report import load_imbalance
 from app.replay.trace import TokenSource, TraceRequest, load_trace
 
@@ -207,29 +208,6 @@ class Processes:
 
     def stop_all(self) -> None:
         self.stop(list(self.procs))
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-def port_is_free(port: int) -> bool:
-    """Whether a server could listen on ``port`` of 127.0.0.1 now."""
-    import socket
-
-    with socket.socket() as sock:
-        # As uvicorn binds: connections left in TIME_WAIT do not hold the port, a listener does.
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
 
 
 def _wait_until(check: Any, what: str, procs: Processes, names: list[str]) -> None:
@@ -439,7 +417,7 @@ def _run(
             starting = time.monotonic()
             workers = [f"{policy.replace('_', '-')}-{i}" for i in range(options.workers)]
             for worker in workers:
-                port = _free_port()
+                port = free_port()
                 pid = procs.start(
                     worker,
                     [
@@ -498,11 +476,11 @@ def _run(
         say("")
         say(format_table(summaries))
         say("")
-        if deadline is None:
-            say(f"serving at {base} (dashboard: {base}/dashboard); Ctrl-C to stop")
-        elif deadline > time.monotonic():
-            say(f"serving at {base} for {deadline - time.monotonic():.0f} s more")
-        try:
+        try:  # before the line that invites the Ctrl-C
+            if deadline is None:
+                say(f"serving at {base} (dashboard: {base}/dashboard); Ctrl-C to stop")
+            elif deadline > time.monotonic():
+                say(f"serving at {base} for {deadline - time.monotonic():.0f} s more")
             while deadline is None or time.monotonic() < deadline:
                 for name in list(procs.procs):
                     procs.check(name)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -25,6 +24,7 @@ from urllib.parse import quote
 import redis
 
 from app.core.embedded_redis import find_redis_server
+from app.core.net import free_port
 
 __all__ = [
     "ADMIN_PASSWORD",
@@ -51,13 +51,6 @@ WORKER_RULES = f"{_BASE} ~kvmesh:* {_WORKER_COMMANDS}"
 ROUTER_RULES = f"{_BASE} %R~kvmesh:* %W~kvmesh:{{*}}:snapshot:request {_ROUTER_COMMANDS}"
 
 _HOST = "127.0.0.1"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((_HOST, 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def make_test_ca(directory: Path) -> dict[str, Path]:
@@ -88,7 +81,7 @@ class SecureRedis:
     def __init__(self, users: Mapping[str, tuple[str, str]], *, tls: bool = False) -> None:
         self.users = dict(users)
         self.tls = tls
-        self.port = _free_port()
+        self.port = free_port()
         self.dir = Path(tempfile.mkdtemp(prefix="kvmesh-secure-redis-"))
         self.certs: dict[str, Path] = {}
         self._proc: subprocess.Popen[bytes] | None = None

@@ -28,7 +28,8 @@ import redis
 
 from app.core.embedded_redis import EmbeddedRedis
 from events import keys
-from tests.app.router_support import two_workers_and_a_router, wait_for
+from tests.support.processes import two_workers_and_a_router
+from tests.support.wait import wait_for
 
 CHROMIUM = os.environ.get("KVMESH_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
 
@@ -77,7 +78,7 @@ def cluster(embedded_redis: EmbeddedRedis) -> Iterator[dict[str, Any]]:
     """Two ``kvmesh worker`` processes and a ``kvmesh router``, all up."""
     with two_workers_and_a_router(
         embedded_redis.url, num_blocks=256, heartbeat_ttl_s=HEARTBEAT_TTL_S
-    ) as (base, procs):
+    ) as (base, procs, _):
         router = procs["router"]
         yield {"base": base, "procs": procs, "router": router, "redis_url": embedded_redis.url}
         router.send_signal(signal.SIGTERM)

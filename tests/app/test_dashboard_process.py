@@ -12,7 +12,8 @@ import httpx
 import orjson
 
 from app.core.embedded_redis import EmbeddedRedis
-from tests.app.worker_support import free_port, service_process, wait_ready
+from app.core.net import free_port
+from tests.support.processes import service_process, wait_ready
 
 PROMPT = list(range(200, 280))  # 80 tokens: 5 full blocks of 16
 

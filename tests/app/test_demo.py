@@ -13,9 +13,9 @@ import sys
 import time
 from pathlib import Path
 
-from app.demo.runner import DEMO_TRACE, PhaseResult, RequestResult, fit_to_time, port_is_free
+from app.core.net import free_port, port_is_free
+from app.demo.runner import DEMO_TRACE, PhaseResult, RequestResult, fit_to_time
 from app.replay.trace import load_trace
-from tests.app.worker_support import free_port
 
 KVMESH = str(Path(sys.executable).parent / "kvmesh")
 
@@ -207,15 +207,19 @@ def test_ctrl_c_while_serving_is_a_clean_end() -> None:
     port = free_port()
     proc = _demo(port, "--requests", "1", "--speed", "1000")
     assert proc.stdout is not None
-    deadline = time.monotonic() + 120
-    seen = ""
-    while "serving at" not in seen:
-        assert time.monotonic() < deadline and proc.poll() is None, seen
-        seen += proc.stdout.readline()
-    proc.send_signal(signal.SIGINT)
-    assert proc.wait(timeout=60) == 0
-    seen += proc.stdout.read()
-    proc.stdout.close()
+    try:
+        deadline = time.monotonic() + 120
+        seen = ""
+        while "serving at" not in seen:
+            assert time.monotonic() < deadline and proc.poll() is None, seen
+            seen += proc.stdout.readline()
+        proc.send_signal(signal.SIGINT)
+        status = proc.wait(timeout=60)
+        seen += proc.stdout.read()
+    finally:
+        proc.kill()
+        proc.stdout.close()
+    assert status == 0, seen
     assert seen.splitlines()[-1] == "kvmesh demo: stopped"
     assert not _log_dir(seen).exists()
     assert port_is_free(port)

@@ -21,16 +21,10 @@ import redis
 from app.core.embedded_redis import EmbeddedRedis
 from app.router.service import RouterRuntime
 from events import keys
-from tests.app.router_support import eventually, router_client, router_settings, wait_for
-from tests.app.worker_support import (
-    ADMIN_TOKEN,
-    AUTH,
-    free_port,
-    service_process,
-    wait_ready,
-    worker_client,
-    worker_settings,
-)
+from tests.app.router_support import router_client, router_settings
+from tests.app.worker_support import ADMIN_TOKEN, AUTH, worker_client, worker_settings
+from tests.support.processes import two_workers_and_a_router
+from tests.support.wait import eventually, wait_for
 
 PROMPT = list(range(100, 200))  # 100 tokens: 6 full blocks of 16
 
@@ -175,38 +169,15 @@ async def test_a_cordon_outlives_a_redis_restart(embedded_redis: EmbeddedRedis) 
         assert (await router.post("/route", json={"prompt": PROMPT})).json()["worker"] == "w1"
 
 
-def _worker_args(worker: str, port: int, redis_url: str) -> list[str]:
-    return [
-        *("--worker-id", worker, "--port", str(port), "--redis-url", redis_url),
-        *("--num-gpu-blocks", "64", "--max-seq-len", "2048", "--heartbeat-ttl-s", "2"),
-        # 20 ms steps: a 40-token answer stays in flight for most of a second.
-        *("--sim-step-overhead-ms", "20", "--sim-prefill-us-per-token", "0"),
-    ]
-
-
 def test_a_drain_through_the_router_is_reported_until_done_then_undone(
     clean_redis_url: str,
 ) -> None:
     env = {"KVMESH_ADMIN_TOKEN": ADMIN_TOKEN}
-    ports = {"w0": free_port(), "w1": free_port()}
-    base = f"http://127.0.0.1:{free_port()}"
-    router_args = ["--port", base.rpartition(":")[2], "--redis-url", clean_redis_url]
-    with contextlib.ExitStack() as stack:
-        procs = {
-            w: stack.enter_context(
-                service_process("worker", _worker_args(w, p, clean_redis_url), env)
-            )
-            for w, p in ports.items()
-        }
-        router = stack.enter_context(
-            service_process("router", [*router_args, "--load-interval-s", "0.05"], env)
-        )
-        w0 = f"http://127.0.0.1:{ports['w0']}"
-        for worker, port in ports.items():
-            wait_ready(f"http://127.0.0.1:{port}", procs[worker])
-        wait_ready(base, router)
-        wait_for(lambda: _states(httpx.get(f"{base}/workers").json()) == {"w0": "up", "w1": "up"})
-
+    # 20 ms steps: a 40-token answer stays in flight for most of a second.
+    with two_workers_and_a_router(
+        clean_redis_url, num_blocks=64, heartbeat_ttl_s=2.0, step_ms=20.0, env=env
+    ) as (base, _, urls):
+        w0 = urls["w0"]
         # A request in flight on w0 when the drain starts.
         done: dict[str, httpx.Response] = {}
 

@@ -9,8 +9,9 @@ from typing import Any
 
 import pytest
 
-from tests.app.router_support import eventually, router_client, router_settings
+from tests.app.router_support import router_client, router_settings
 from tests.app.worker_support import AUTH, worker_client, worker_settings
+from tests.support.wait import eventually
 
 JSON = {"content-type": "application/json"}
 NOT_JSON = "the body is not valid JSON: "

@@ -19,7 +19,8 @@ import redis.asyncio as aioredis
 from app.cli import build_parser, main
 from app.ingest import TrtllmIngest
 from events import keys
-from tests.events.support import make_consumer, wait_until
+from tests.events.support import make_consumer
+from tests.support.wait import eventually
 
 WINDOW = 16
 # Block hashes of the worked stream (V1 block key; LoRA 42 for the first request).
@@ -165,7 +166,7 @@ async def test_the_worked_stream_reaches_the_index_exactly(
         async with ingest, make_consumer(clean_redis_url) as consumer:
             await ingest.run(max_polls=5)
             await ingest.publishers()["trt0"].flush(5)
-            await wait_until(lambda: consumer.last_seq("trt0") == 8)
+            await eventually(lambda: consumer.last_seq("trt0") == 8)
             assert index_of(consumer, "trt0") == AFTER_STEP_5
             assert ingest.local_blocks() == AFTER_STEP_5
             # update_registry() reaches Redis with the next heartbeat.
@@ -200,13 +201,13 @@ async def test_a_restart_starts_a_new_epoch(trtllm: TrtllmServer, clean_redis_ur
         await ingest.run(max_polls=1)
         publisher = ingest.publishers()["trt0"]
         await publisher.flush(5)
-        await wait_until(lambda: consumer.last_seq("trt0") == 2)
+        await eventually(lambda: consumer.last_seq("trt0") == 2)
         first_epoch = publisher.epoch
         # The engine restarts: ids start again at 0 with `created`, its cache is empty.
         trtllm.queue([created(0), stored(1, None, block(R2[0], 1, 1, 2, 3))])
         await ingest.run(max_polls=1)
         await publisher.flush(5)
-        await wait_until(
+        await eventually(
             lambda: (
                 consumer.last_seq("trt0") == 1 and consumer.workers()["trt0"].epoch > first_epoch
             )
@@ -227,10 +228,10 @@ async def test_events_lost_upstream_are_reported_and_resynchronised(
     async with ingest, make_consumer(clean_redis_url) as consumer:
         await ingest.run(max_polls=1)
         await ingest.publishers()["trt0"].flush(5)
-        await wait_until(lambda: consumer.last_seq("trt0") == 2)
+        await eventually(lambda: consumer.last_seq("trt0") == 2)
         await ingest.run(max_polls=2)
         await ingest.publishers()["trt0"].flush(5)
-        await wait_until(lambda: consumer.last_seq("trt0") == 6)
+        await eventually(lambda: consumer.last_seq("trt0") == 6)
         # Without event 3 nobody knows B2 went to the host tier; it was removed anyway.
         expected = {B0: 1, B1: 1}
         assert ingest.local_blocks() == expected
@@ -253,7 +254,7 @@ async def test_attention_dp_ranks_get_their_own_streams(
         await ingest.run(max_polls=1)
         for publisher in ingest.publishers().values():
             await publisher.flush(5)
-        await wait_until(
+        await eventually(
             lambda: consumer.last_seq("trt0") == 2 and consumer.last_seq("trt0-dp1") == 1
         )
         assert index_of(consumer, "trt0") == {B0: 0, B1: 0, B2: 0}

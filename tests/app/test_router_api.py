@@ -13,8 +13,9 @@ import pytest
 
 from app.core.embedded_redis import EmbeddedCluster, EmbeddedRedis
 from app.router.service import RouterRuntime
-from tests.app.router_support import eventually, router_client, router_settings
+from tests.app.router_support import router_client, router_settings
 from tests.app.worker_support import AUTH, worker_client, worker_settings
+from tests.support.wait import eventually
 
 PROMPT = list(range(100, 200))  # 100 tokens: 6 full blocks of 16
 

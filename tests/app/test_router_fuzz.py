@@ -33,17 +33,18 @@ from app.router.service import RouterRuntime
 from app.router.service import create_app as router_app
 from app.worker.service import create_app as worker_app
 from tests.app.router_support import router_settings
-from tests.app.test_worker_fuzz import (
+from tests.app.worker_support import ADMIN_TOKEN, AUTH, worker_settings
+from tests.support.openapi import (
     CONTENT_TYPES,
     RAW_BODIES,
     SchemaValues,
     check_error_shape,
+    completion_hints,
     json_values,
     mostly,
     operations,
     strings,
 )
-from tests.app.worker_support import ADMIN_TOKEN, AUTH, worker_settings
 
 REQUEST_TIMEOUT_S = 10.0
 SKIPPED = {"GET /dashboard/stream", "GET /openapi.json"}
@@ -134,7 +135,7 @@ def _text(value: Any) -> str:
 
 
 def requests(openapi: dict[str, Any]) -> st.SearchStrategy[Sent]:
-    values = SchemaValues(openapi.get("components", {}).get("schemas", {}))
+    values = SchemaValues(openapi.get("components", {}).get("schemas", {}), completion_hints())
     ops = [op for op in operations(openapi) if op.name not in SKIPPED]
 
     def build(op: Any) -> st.SearchStrategy[Sent]:

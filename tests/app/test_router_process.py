@@ -12,7 +12,8 @@ import httpx
 import orjson
 
 from app.core.embedded_redis import EmbeddedRedis
-from tests.app.router_support import two_workers_and_a_router, wait_for
+from tests.support.processes import two_workers_and_a_router
+from tests.support.wait import wait_for
 
 PROMPT = list(range(300, 400))  # 100 tokens: 6 full blocks of 16
 HEARTBEAT_TTL_S = 2.0
@@ -32,7 +33,7 @@ def test_router_process_routes_to_the_cache_and_survives_a_killed_worker(
 ) -> None:
     with two_workers_and_a_router(
         embedded_redis.url, num_blocks=128, heartbeat_ttl_s=HEARTBEAT_TTL_S
-    ) as (base, procs):
+    ) as (base, procs, _):
         router = procs["router"]
 
         # The same prompt twice: the second lands where the first left its blocks.

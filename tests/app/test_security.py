@@ -26,25 +26,16 @@ import pytest
 import redis
 from fastapi import FastAPI
 
+from app.core.net import free_port
 from app.core.redis import RedisCredentialsError
 from app.router.service import create_app as router_app
 from app.worker.service import create_app as worker_app
 from events.redis_io import redis_client
 from tests.app.redis_secure import ROUTER_RULES, SHARED_RULES, WORKER_RULES, SecureRedis
-from tests.app.router_support import (
-    eventually,
-    router_client,
-    router_settings,
-    sim_worker_args,
-    wait_for,
-)
-from tests.app.worker_support import (
-    AUTH,
-    free_port,
-    wait_ready,
-    worker_client,
-    worker_settings,
-)
+from tests.app.router_support import router_client, router_settings
+from tests.app.worker_support import AUTH, worker_client, worker_settings
+from tests.support.processes import sim_worker_args, wait_ready
+from tests.support.wait import eventually, wait_for
 
 PROMPT = list(range(100, 200))  # 100 tokens: 6 full blocks of 16
 PASSWORD = "redis-pw-Q9x2Lk7v"  # what must never show in a log line or an answer

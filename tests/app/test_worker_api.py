@@ -6,42 +6,24 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
-import httpx
 import orjson
 import pytest
 
-from app.worker.backend import SimBackend, prompt_seed
-from app.worker.service import WorkerRuntime
 from cache import block_hashes_for_tokens
 from events import keys
-from tests.app.worker_support import AUTH, worker_client, worker_settings
-from tests.events.support import index_blocks, make_consumer, wait_until
+from tests.app.worker_support import (
+    AUTH,
+    VOCAB,
+    complete,
+    expected_output,
+    tree,
+    worker_client,
+    worker_settings,
+)
+from tests.events.support import index_blocks, make_consumer
+from tests.support.wait import eventually
 
 TPB = 16
-VOCAB = 512
-
-
-def expected_output(prompt: list[int], max_tokens: int) -> list[int]:
-    """The sim back-end's tokens, computed here from its definition: f(seed, position)."""
-    sim = SimBackend(VOCAB)
-    seed = prompt_seed(prompt)
-    return [sim.next_token(seed, len(prompt) - 1 + i) for i in range(max_tokens)]
-
-
-def tree(runtime: WorkerRuntime) -> dict[int, int]:
-    """The worker manager's reuse tree: hash -> tier."""
-    return {
-        block.hash: 0 if block.is_primary else 1
-        for wm in runtime.mgr.windows.values()
-        for block in wm.tree_blocks()
-    }
-
-
-async def complete(client: httpx.AsyncClient, **body: Any) -> dict[str, Any]:
-    response = await client.post("/v1/completions", json=body)
-    assert response.status_code == 200, response.text
-    data: dict[str, Any] = response.json()
-    return data
 
 
 # -- completions -------------------------------------------------------------------------------
@@ -123,7 +105,7 @@ async def test_events_rebuild_the_worker_tree_exactly(clean_redis_url: str) -> N
         await runtime.publisher.flush(5.0)
         assert runtime.mgr.events is not None
         last = runtime.mgr.events.next_event_id - 1
-        await wait_until(lambda: consumer.last_seq("w0") == last)
+        await eventually(lambda: consumer.last_seq("w0") == last)
         assert index_blocks(consumer.index, "w0") == tree(runtime)
         # The router's lookup: the hashes of a request's full blocks, matched in the index.
         hashes = block_hashes_for_tokens(prompts[3], TPB)
@@ -140,7 +122,7 @@ async def test_registry_load_and_heartbeat_are_published(clean_redis_url: str) -
         try:
             entry = orjson.loads(await redis.hget(keys.WORKERS_KEY, "w0") or b"{}")
             assert await redis.exists(keys.alive_key("w0")) == 1
-            await wait_until(lambda: runtime.engine.load["free_blocks_0"] == 256)
+            await eventually(lambda: runtime.engine.load["free_blocks_0"] == 256)
         finally:
             await redis.aclose()
     assert entry["url"] == "http://gpu7:8001"
@@ -348,7 +330,7 @@ async def test_duplicate_request_id_is_409_while_in_flight(clean_redis_url: str)
                 "/v1/completions", json={"prompt": [1, 2], "max_tokens": 5, "request_id": "x"}
             )
         )
-        await wait_until(lambda: "x" in runtime.engine.jobs)
+        await eventually(lambda: "x" in runtime.engine.jobs)
         duplicate = await client.post(
             "/v1/completions", json={"prompt": [3], "max_tokens": 1, "request_id": "x"}
         )
@@ -368,11 +350,11 @@ async def test_full_queue_is_429_with_retry_after(clean_redis_url: str) -> None:
         running = asyncio.create_task(
             client.post("/v1/completions", json={"prompt": [1], "max_tokens": 4})
         )
-        await wait_until(lambda: len(runtime.engine.running) == 1)
+        await eventually(lambda: len(runtime.engine.running) == 1)
         waiting = asyncio.create_task(
             client.post("/v1/completions", json={"prompt": [2], "max_tokens": 1})
         )
-        await wait_until(lambda: runtime.engine.num_waiting == 1)
+        await eventually(lambda: runtime.engine.num_waiting == 1)
         refused = await client.post("/v1/completions", json={"prompt": [3], "max_tokens": 1})
         assert [(await running).status_code, (await waiting).status_code] == [200, 200]
     assert refused.status_code == 429
@@ -393,7 +375,7 @@ async def test_cancel_frees_the_blocks_and_ends_the_request(clean_redis_url: str
             job = runtime.engine.jobs.get("long")
             return len(job.output) if job is not None else 0
 
-        await wait_until(lambda: generated() >= 2)
+        await eventually(lambda: generated() >= 2)
         sequence = (await client.get("/sequences/long")).json()
         cancelled = await client.post("/requests/long/cancel", headers=AUTH)
         response = await pending

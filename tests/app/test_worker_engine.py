@@ -11,9 +11,16 @@ import httpx
 import pytest
 
 from app.worker.torch_backend import TinyDecoder, TinyDecoderConfig, dense_generate
-from tests.app.test_worker_api import complete, expected_output, tree
-from tests.app.worker_support import AUTH, worker_client, worker_settings
-from tests.events.support import index_blocks, make_consumer, wait_until
+from tests.app.worker_support import (
+    AUTH,
+    complete,
+    expected_output,
+    tree,
+    worker_client,
+    worker_settings,
+)
+from tests.events.support import index_blocks, make_consumer
+from tests.support.wait import eventually
 
 
 @pytest.mark.parametrize("scheduler", ["guaranteed_no_evict", "max_utilization"])
@@ -71,7 +78,7 @@ async def test_a_thousand_concurrent_completions_on_a_small_pool(
         await runtime.publisher.flush(5.0)
         assert runtime.mgr.events is not None
         last = runtime.mgr.events.next_event_id - 1
-        await wait_until(lambda: consumer.last_seq("w0") == last)
+        await eventually(lambda: consumer.last_seq("w0") == last)
         assert index_blocks(consumer.index, "w0") == tree(runtime)
         assert runtime.publisher.stats()["dropped"] == 0
     if scheduler == "max_utilization":
@@ -176,7 +183,7 @@ async def test_priority_orders_the_queue(clean_redis_url: str) -> None:
         blocker = asyncio.create_task(
             client.post("/v1/completions", json={"prompt": [1], "max_tokens": 5})
         )
-        await wait_until(lambda: len(runtime.engine.running) == 1)
+        await eventually(lambda: len(runtime.engine.running) == 1)
         order: list[str] = []
 
         async def send(name: str, priority: int) -> None:
@@ -185,7 +192,7 @@ async def test_priority_orders_the_queue(clean_redis_url: str) -> None:
             order.append(name)
 
         tasks = [asyncio.create_task(send(n, p)) for n, p in (("low", 5), ("high", -5), ("mid", 0))]
-        await wait_until(lambda: runtime.engine.num_waiting == 3)
+        await eventually(lambda: runtime.engine.num_waiting == 3)
         await asyncio.gather(blocker, *tasks)
     assert order == ["high", "mid", "low"]
 

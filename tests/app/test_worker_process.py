@@ -11,9 +11,10 @@ import orjson
 import redis
 
 from app.core.embedded_redis import EmbeddedRedis
+from app.core.net import free_port
 from events import keys
-from tests.app.test_worker_api import expected_output
-from tests.app.worker_support import ADMIN_TOKEN, free_port, wait_ready, worker_process
+from tests.app.worker_support import ADMIN_TOKEN, expected_output, worker_process
+from tests.support.processes import wait_ready
 
 
 def _args(redis_url: str, port: int, *extra: str) -> list[str]:

@@ -1,22 +1,19 @@
-"""Helpers for the worker tests: settings, an in-process worker behind httpx, a real process."""
+"""Helpers for the worker tests: settings, an in-process worker behind httpx, a real process
+(``kvmesh worker``; the generic pieces are in ``tests.support``)."""
 
 from __future__ import annotations
 
 import contextlib
-import os
-import signal
-import socket
 import subprocess
-import sys
-import time
-from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 
+from app.worker.backend import SimBackend, prompt_seed
 from app.worker.service import WorkerRuntime, create_app
 from app.worker.settings import WorkerSettings
+from tests.support.asgi import asgi_client
+from tests.support.processes import service_process
 
 ADMIN_TOKEN = "test-admin-token"
 AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
@@ -40,23 +37,11 @@ def worker_settings(redis_url: str, **overrides: Any) -> WorkerSettings:
     return WorkerSettings(**values)
 
 
-@contextlib.asynccontextmanager
-async def worker_client(
+def worker_client(
     settings: WorkerSettings,
-) -> AsyncIterator[tuple[httpx.AsyncClient, WorkerRuntime]]:
+) -> contextlib.AbstractAsyncContextManager[tuple[httpx.AsyncClient, WorkerRuntime]]:
     """The worker app inside its lifespan, spoken to through httpx's ASGITransport."""
-    app = create_app(settings)
-    async with app.router.lifespan_context(app):
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://worker") as client:
-            yield client, app.state.runtime
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+    return asgi_client(create_app(settings), "http://worker")
 
 
 def worker_process(
@@ -66,40 +51,27 @@ def worker_process(
     return service_process("worker", args, env)
 
 
-@contextlib.contextmanager
-def service_process(
-    command: str, args: list[str], env: dict[str, str] | None = None
-) -> Iterator[subprocess.Popen[str]]:
-    """``kvmesh COMMAND ARGS`` as a real process; killed (SIGKILL) if still running at the end."""
-    script = Path(sys.executable).parent / "kvmesh"
-    full_env = {**os.environ, **(env or {})}
-    proc = subprocess.Popen(
-        [str(script), command, *args],
-        env=full_env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        yield proc
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=10)
-        if proc.stdout is not None:
-            proc.stdout.close()
+VOCAB = 512  # the tiny model's
 
 
-def wait_ready(base_url: str, proc: subprocess.Popen[str], timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            output = proc.stdout.read() if proc.stdout else ""
-            raise AssertionError(f"the process exited with {proc.returncode}:\n{output}")
-        try:
-            if httpx.get(f"{base_url}/ready", timeout=1.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise AssertionError(f"{base_url} was not ready within {timeout_s} s")
+def expected_output(prompt: list[int], max_tokens: int) -> list[int]:
+    """The sim back-end's tokens, computed here from its definition: f(seed, position)."""
+    sim = SimBackend(VOCAB)
+    seed = prompt_seed(prompt)
+    return [sim.next_token(seed, len(prompt) - 1 + i) for i in range(max_tokens)]
+
+
+def tree(runtime: WorkerRuntime) -> dict[int, int]:
+    """The worker manager's reuse tree: hash -> tier."""
+    return {
+        block.hash: 0 if block.is_primary else 1
+        for wm in runtime.mgr.windows.values()
+        for block in wm.tree_blocks()
+    }
+
+
+async def complete(client: httpx.AsyncClient, **body: Any) -> dict[str, Any]:
+    response = await client.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    data: dict[str, Any] = response.json()
+    return data

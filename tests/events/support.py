@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from cache import KVCacheManager, LlmRequest, OutOfBlocksError
@@ -22,6 +21,7 @@ from events.index import PrefixIndex
 from events.publisher import EventPublisher, PublisherConfig, manager_load, manager_registry_entry
 from events.snapshot import manager_snapshot
 from tests.cache.factories import make_manager
+from tests.support.wait import eventually
 
 TOKENS_PER_BLOCK = 4
 PRIMARY_BLOCKS = 48
@@ -88,15 +88,6 @@ class Workload:
 def index_blocks(index: PrefixIndex, worker_id: str) -> dict[int, int]:
     """What the index holds for ``worker_id`` (hash -> tier), empty if it does not know it."""
     return index.worker_blocks(worker_id) if worker_id in index.workers() else {}
-
-
-async def wait_until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
-    """Poll ``condition`` every few milliseconds; fail the test if it stays false."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition still false after {timeout} s")
-        await asyncio.sleep(0.005)
 
 
 # -- publishers and consumers tuned for tests: short periods, short backoff -----------------------
@@ -168,7 +159,7 @@ async def assert_index_exact(
     for workload, publisher in workers.values():
         publisher.publish_from(workload.mgr)
         await publisher.flush(timeout)
-    await wait_until(
+    await eventually(
         lambda: all(
             consumer.last_seq(worker_id) == last_event_id(workload)
             for worker_id, (workload, _) in workers.items()

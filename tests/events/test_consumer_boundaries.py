@@ -18,14 +18,8 @@ from events import keys
 from events.consumer import EventConsumer
 from events.envelope import make_envelope
 from events.snapshot import Snapshot, encode_snapshot
-from tests.events.support import (
-    Workload,
-    assert_index_exact,
-    drive,
-    make_consumer,
-    make_publisher,
-    wait_until,
-)
+from tests.events.support import Workload, assert_index_exact, drive, make_consumer, make_publisher
+from tests.support.wait import eventually
 
 WINDOW = 64
 EPOCH = 7
@@ -115,7 +109,7 @@ async def test_a_worker_caught_up_exactly_with_its_heartbeat_is_not_stale(
             assert last == workload.mgr.last_event_id > 0
             # The heartbeat, and the consumer's reading of it, say exactly what was applied.
             beat = f"{publisher.epoch} {last}".encode()
-            await wait_until(
+            await eventually(
                 lambda: (state.reported_epoch, state.reported_seq) == (publisher.epoch, last)
             )
             assert await client.get(keys.alive_key("w0")) == beat

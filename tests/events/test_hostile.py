@@ -34,8 +34,8 @@ from tests.events.support import (
     last_event_id,
     make_consumer,
     make_publisher,
-    wait_until,
 )
+from tests.support.wait import eventually
 
 WINDOW = 1024  # the workloads' attention window
 MAX_ID = "18446744073709551615-18446744073709551615"
@@ -85,7 +85,7 @@ async def test_a_marker_no_snapshot_gets_past_is_skipped_after_one_resync(
             last = publisher.last_seq
             entry_id = await client.xadd(keys.events_key("w0"), hostile(publisher))
             # The worker stays idle: the consumer gets past the entry all the same.
-            await wait_until(lambda: consumer.num_malformed == 1 and bool(consumer.last_seq("w0")))
+            await eventually(lambda: consumer.num_malformed == 1 and bool(consumer.last_seq("w0")))
             assert index_blocks(consumer.index, "w0") == workload.blocks()
             await drive(workload, publisher, 30)
             await assert_index_exact(consumer, workers)
@@ -120,12 +120,12 @@ async def test_an_entry_with_the_largest_id_neither_stops_the_publisher_nor_free
             first_epoch = publisher.epoch
             await client.xadd(keys.events_key("w0"), {"hostile": "1"}, id=MAX_ID)
             state = consumer.workers()["w0"]
-            await wait_until(lambda: state.pos == MAX_ID.encode())  # XREAD sees nothing more
+            await eventually(lambda: state.pos == MAX_ID.encode())  # XREAD sees nothing more
             await drive(workload, publisher, 30)
             # The heartbeat says the worker is ahead; the consumer applies nothing: stale.
-            await wait_until(lambda: state.stale == "behind_heartbeat")
+            await eventually(lambda: state.stale == "behind_heartbeat")
             await assert_index_exact(consumer, workers)
-            await wait_until(lambda: state.stale is None)
+            await eventually(lambda: state.stale is None)
             stats = consumer.stats()
     finally:
         await client.aclose()
@@ -220,15 +220,15 @@ async def test_a_slow_consumer_stalled_for_two_seconds_catches_up_without_resync
     thread.start()
     try:
         async with publisher:
-            await wait_until(lambda: "consumer" in shared)
+            await eventually(lambda: "consumer" in shared)
             consumer: EventConsumer = shared["consumer"]
-            await wait_until(lambda: consumer.last_seq("w0") is not None)
+            await eventually(lambda: consumer.last_seq("w0") is not None)
             await drive(workload, publisher, 100, steps_per_publish=2, pause_s=0.01)
             stall.set()
             await drive(workload, publisher, 200, steps_per_publish=2, pause_s=0.01)
             await publisher.flush(5)
             stopped = time.monotonic()
-            await wait_until(lambda: consumer.last_seq("w0") == last_event_id(workload), 20)
+            await eventually(lambda: consumer.last_seq("w0") == last_event_id(workload), 20)
             caught_up_s = time.monotonic() - stopped
             # Read from this thread while the consumer, caught up, has nothing to apply.
             blocks = index_blocks(consumer.index, "w0")
@@ -365,7 +365,7 @@ async def test_a_64_mib_entry_does_not_raise_the_consumers_rss_for_good(
                 check=True,
                 capture_output=True,
             )  # fmt: skip
-        await wait_until(lambda: consumer.num_oversized == 1)
+        await eventually(lambda: consumer.num_oversized == 1)
         await drive(workload, publisher, 30)
         await assert_index_exact(consumer, workers)
         after = _rss_mib()
@@ -410,7 +410,7 @@ async def test_forged_registry_entries_and_other_workers_entries_are_skipped(
             negative_id = await client.xadd(keys.events_key("w0"), negative)
             await drive(workload, publisher, 20)
             await assert_index_exact(consumer, workers)
-            await wait_until(lambda: consumer.num_bad_registry_entries == 3)
+            await eventually(lambda: consumer.num_bad_registry_entries == 3)
             await asyncio.sleep(0.2)  # a few more registry reads: no more lines, no more counts
             stats = consumer.stats()
             followed = sorted(consumer.workers())

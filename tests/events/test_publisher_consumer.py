@@ -27,8 +27,8 @@ from tests.events.support import (
     last_event_id,
     make_consumer,
     make_publisher,
-    wait_until,
 )
+from tests.support.wait import eventually
 
 
 async def test_four_workers_publishing_concurrently(clean_redis_url: str) -> None:
@@ -66,7 +66,7 @@ async def test_redis_killed_and_restarted_mid_run(embedded_redis: EmbeddedRedis)
     async with make_consumer(url) as consumer:
         for publisher in publishers:
             await publisher.start()
-        await wait_until(lambda: consumer.stats()["synced_workers"] == 4)
+        await eventually(lambda: consumer.stats()["synced_workers"] == 4)
         running = asyncio.gather(*(drive(w, p, 300, pause_s=0.002) for w, p in workers.values()))
         await asyncio.sleep(0.2)
         embedded_redis.kill()  # a crash: no persistence, the streams and snapshots are gone
@@ -174,14 +174,14 @@ async def test_a_worker_whose_heartbeat_stops_leaves_the_index(clean_redis_url: 
         await assert_index_exact(consumer, both)
         assert index_blocks(consumer.index, "w1")
         await crasher.aclose()
-        await wait_until(lambda: consumer.stats()["expired"] == 1, timeout=5)
+        await eventually(lambda: consumer.stats()["expired"] == 1, timeout_s=5)
         assert consumer.index.workers() == ["w0"]
         assert consumer.last_seq("w1") is None
         await drive(workloads[0], survivor, 10)
         await assert_index_exact(consumer, {"w0": both["w0"]})
         # A worker that closes cleanly unregisters, and is forgotten at once.
         await survivor.aclose()
-        await wait_until(lambda: "w0" not in consumer.workers(), timeout=5)
+        await eventually(lambda: "w0" not in consumer.workers(), timeout_s=5)
         assert consumer.index.workers() == []
         assert consumer.stats()["expired"] == 1
 
@@ -373,8 +373,8 @@ async def test_a_redis_restart_holds_every_worker_until_it_registers_again(
                         await client.set(keys.alive_key(publisher.worker_id), beat, px=2_000)
                 finally:
                     await client.aclose()
-            await wait_until(lambda: all(p.registered for p in publishers))
-            await wait_until(lambda: consumer.stats()["held_workers"] == 0)
+            await eventually(lambda: all(p.registered for p in publishers))
+            await eventually(lambda: consumer.stats()["held_workers"] == 0)
             await asyncio.gather(*(drive(w, p, 20) for w, p in workers.values()))
             await assert_index_exact(consumer, workers)
         finally:
@@ -402,13 +402,13 @@ async def test_a_worker_that_dies_with_redis_expires_when_its_hold_is_over(
     )
     async with make_consumer(url) as consumer, live:
         await dead.start()
-        await wait_until(lambda: consumer.stats()["synced_workers"] == 2)
+        await eventually(lambda: consumer.stats()["synced_workers"] == 2)
         embedded_redis.kill()
         await dead.aclose()  # dies with the server: nothing of it will come back
         embedded_redis.start()
         restarted = asyncio.get_running_loop().time()
-        await wait_until(lambda: consumer.stats()["held"] == 2)
-        await wait_until(lambda: "w1" not in consumer.workers(), timeout=ttl_s + 3.0)
+        await eventually(lambda: consumer.stats()["held"] == 2)
+        await eventually(lambda: "w1" not in consumer.workers(), timeout_s=ttl_s + 3.0)
         gone_after_s = asyncio.get_running_loop().time() - restarted
         await assert_index_exact(consumer, {"w0": (survivor, live)})
         stats = consumer.stats()
