@@ -215,81 +215,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     ingest = sub.add_parser("ingest", help="republish another engine's KV events to the stream")
     ingest_sub = ingest.add_subparsers(dest="source", metavar="SOURCE", required=True)
-    trtllm = ingest_sub.add_parser(
-        "trtllm", help="poll a TensorRT-LLM server's POST /kv_cache_events"
-    )
-    trtllm.add_argument("--url", required=True, help="the server, e.g. http://gpu3:8000")
-    trtllm.add_argument("--worker-id", required=True, help="worker id to publish the events as")
-    trtllm.add_argument(
-        "--tokens-per-block",
-        type=int,
-        default=None,
-        help="the engine's block size, for the registry (default: none registered)",
-    )
-    trtllm.add_argument(
-        "--poll-interval-s",
-        type=float,
-        default=0.05,
-        help="pause after an empty answer (default: 0.05)",
-    )
-    trtllm.add_argument(
-        "--max-polls", type=int, default=None, help="stop after this many polls (default: never)"
-    )
-    _add_redis_flag(trtllm, "none: the ingest refuses to start")
-    trtllm.set_defaults(handler=_cmd_ingest_trtllm)
-    for source, what in (("vllm", "vLLM"), ("sglang", "SGLang")):
-        zmq_ingest = ingest_sub.add_parser(
-            source, help=f"subscribe to a {what} server's ZMQ KV events (--kv-events-config)"
-        )
-        defaults = _zmq_ingest_defaults(source)
-        zmq_ingest.add_argument(
-            "--endpoint",
-            default=defaults["endpoint"],
-            help=f"its PUB socket, e.g. tcp://gpu3:5557 (default: {defaults['endpoint']})",
-        )
-        zmq_ingest.add_argument(
-            "--replay-endpoint",
-            default=None,
-            help="its replay ROUTER socket, e.g. tcp://gpu3:5567 (default: none; a gap in "
-            "the sequence is then reported as lost)",
-        )
-        zmq_ingest.add_argument(
-            "--topic", default=defaults["topic"], help="the topic it publishes (default: all)"
-        )
-        zmq_ingest.add_argument("--worker-id", required=True, help="worker id to publish as")
-        zmq_ingest.add_argument(
-            "--url",
-            default=None,
-            help="the server, e.g. http://gpu3:8000, for the registry (default: none)",
-        )
-        zmq_ingest.add_argument(
-            "--block-size",
-            type=int,
-            default=defaults["block_size"],
-            help=f"its tokens per block (default: {defaults['block_size']})",
-        )
-        zmq_ingest.add_argument(
-            "--data-parallel-size",
-            type=int,
-            default=1,
-            help="its data-parallel ranks: rank r publishes on the endpoints' ports + r and "
-            "becomes worker <worker-id>-dp<r> (default 1: one worker, <worker-id>)",
-        )
-        zmq_ingest.add_argument(
-            "--window-size",
-            type=int,
-            default=0,
-            help="its attention window in tokens, put on the events (e.g. vLLM's "
-            "--max-model-len; default 0: not given; a sliding-window group sends its own)",
-        )
-        zmq_ingest.add_argument(
-            "--max-batches",
-            type=int,
-            default=None,
-            help="stop after this many messages (default: never)",
-        )
-        _add_redis_flag(zmq_ingest, "none: the ingest refuses to start")
-        zmq_ingest.set_defaults(handler=_cmd_ingest_zmq)
+    from app.ingest.settings import SOURCES, add_flags
+
+    for source, model in SOURCES.items():  # trtllm, vllm, sglang
+        one_source = ingest_sub.add_parser(source, help=model.summary)
+        add_flags(one_source, model)
+        _add_redis_flag(one_source, "none: the ingest refuses to start")
+        one_source.set_defaults(handler=_cmd_ingest)
 
     return parser
 
@@ -359,25 +291,32 @@ def _cmd_replay(args: argparse.Namespace) -> int:
 
 
 def _cmd_worker(args: argparse.Namespace) -> int:
-    from app.worker.service import serve
+    from app.worker.app import serve
     from app.worker.settings import WorkerSettings
 
     return _run_service(args, WorkerSettings, serve)
 
 
 def _cmd_router(args: argparse.Namespace) -> int:
-    from app.router.service import serve
     from app.router.settings import RouterSettings
 
-    return _run_service(args, RouterSettings, serve)
+    def serve_router(settings: RouterSettings) -> None:
+        from app.core.serving import serve
+        from app.services import router_app
+
+        serve(router_app(settings), settings.host, settings.port, settings.log_level)
+
+    return _run_service(args, RouterSettings, serve_router)
 
 
 def _cmd_dashboard(args: argparse.Namespace) -> int:
     from app.dashboard.settings import DashboardSettings
-    from app.router.service import serve
 
     def serve_dashboard(settings: DashboardSettings) -> None:
-        serve(settings.router_settings(), routing=False)
+        from app.core.serving import serve
+        from app.services import dashboard_app
+
+        serve(dashboard_app(settings), settings.host, settings.port, settings.log_level)
 
     return _run_service(args, DashboardSettings, serve_dashboard)
 
@@ -480,84 +419,32 @@ def _format_table(title: str, result: dict[str, Any]) -> str:
 # -- ingest --------------------------------------------------------------------------------
 
 
-def _run_ingest(
-    args: argparse.Namespace, ingest: Callable[[str], Coroutine[Any, Any, dict[str, Any]]]
-) -> int:
-    """What every ``kvmesh ingest`` does around its source: the Redis URL and the worker id
-    checked (exit 2), the ingester run until done or Ctrl-C (130), its stats printed as JSON."""
-    from events.keys import validate_worker_id
+def _cmd_ingest(args: argparse.Namespace) -> int:
+    """``kvmesh ingest SOURCE``: its settings checked (a bad one: one line naming it, exit 2),
+    the ingester run until done or Ctrl-C (130), its stats printed as JSON."""
+    from app.ingest.errors import IngestSettingsError
+    from app.ingest.settings import TrtllmIngestSettings, from_args
 
-    redis_url = args.redis_url or Settings().redis_url
-    if redis_url is None:
-        print("kvmesh ingest: give --redis-url or set REDIS_URL", file=sys.stderr)
-        return 2
     try:
-        validate_worker_id(args.worker_id)
-        if getattr(args, "block_size", 1) <= 0:
-            raise ValueError(f"--block-size must be positive, got {args.block_size}")
-        if getattr(args, "data_parallel_size", 1) <= 0:
-            raise ValueError(
-                f"--data-parallel-size must be positive, got {args.data_parallel_size}"
-            )
-        if getattr(args, "data_parallel_size", 1) > 1:  # the ranks' ids: <worker-id>-dp<rank>
-            validate_worker_id(f"{args.worker_id}-dp{args.data_parallel_size - 1}")
-        if getattr(args, "window_size", 0) < 0:
-            raise ValueError(f"--window-size must be >= 0, got {args.window_size}")
-    except ValueError as exc:
+        settings = from_args(args)
+    except IngestSettingsError as exc:
         print(f"kvmesh ingest: {exc}", file=sys.stderr)
         return 2
+    run: Coroutine[Any, Any, dict[str, Any]]
+    if isinstance(settings, TrtllmIngestSettings):
+        from app.ingest.trtllm import run_trtllm_ingest
+
+        run = run_trtllm_ingest(settings)
+    else:
+        from app.ingest.vllm import run_vllm_ingest
+
+        run = run_vllm_ingest(settings)
     try:
-        stats = asyncio.run(ingest(redis_url))
+        stats = asyncio.run(run)
     except KeyboardInterrupt:
         return 130
     print(json.dumps(stats, sort_keys=True))
     return 0
-
-
-def _cmd_ingest_trtllm(args: argparse.Namespace) -> int:
-    from app.ingest import run_trtllm_ingest
-
-    return _run_ingest(
-        args,
-        lambda redis_url: run_trtllm_ingest(
-            args.url,
-            args.worker_id,
-            redis_url,
-            tokens_per_block=args.tokens_per_block,
-            poll_interval_s=args.poll_interval_s,
-            max_polls=args.max_polls,
-        ),
-    )
-
-
-def _zmq_ingest_defaults(source: str) -> dict[str, Any]:
-    # Both publishers default to endpoint tcp://*:5557 and topic "" (vLLM's KVEventsConfig,
-    # SGLang's disaggregation/kv_events.py KVEventsConfig); see docs/operations.md. vLLM's blocks
-    # default to 16 tokens (--block-size); SGLang's pages to 1 (--page-size: None resolves to 1
-    # unless the attention backend needs larger pages -- then give --block-size).
-    block_size = 16 if source == "vllm" else 1
-    return {"endpoint": "tcp://localhost:5557", "topic": "", "block_size": block_size}
-
-
-def _cmd_ingest_zmq(args: argparse.Namespace) -> int:
-    from app.ingest_vllm import run_vllm_ingest
-
-    return _run_ingest(
-        args,
-        lambda redis_url: run_vllm_ingest(
-            args.endpoint,
-            args.worker_id,
-            redis_url,
-            replay_endpoint=args.replay_endpoint,
-            topic=args.topic,
-            url=args.url,
-            block_size=args.block_size,
-            window_size=args.window_size,
-            data_parallel_size=args.data_parallel_size,
-            source=args.source,
-            max_batches=args.max_batches,
-        ),
-    )
 
 
 # -- demo ----------------------------------------------------------------------------------

@@ -1,8 +1,15 @@
-"""The direction of imports (STYLE.md): cache <- events <- app, and nothing imports app; and
-the repository stands on its own (no code reads the seed material beside it).
+"""The layout the code must keep, checked on every .py file parsed with ``ast``, so that a wrong
+import fails here, not in review:
 
-Every .py file of the repository is parsed with ``ast``; a wrong import fails here, not in
-review.
+* the direction of imports: cache <- events <- app, and nothing but tests and tools imports app;
+* inside app: ``core`` imports no other part of app; ``cluster`` only ``core``; the services
+  (``worker``, ``router``, ``dashboard``) never import each other (they meet through Redis and
+  HTTP; ``app.services`` composes the router with its dashboard); ``replay`` may use the
+  router's core and policies but no service's runtime or HTTP side;
+* no import circle anywhere in the package (the whole graph is walked, ``TYPE_CHECKING``
+  imports included, so that none can hide one);
+* every module under ``MAX_LINES`` lines, but the few named in ``LONG_MODULES`` with why;
+* the repository stands on its own (no code reads the seed material beside it).
 """
 
 from __future__ import annotations
@@ -80,6 +87,169 @@ def violations(path: Path, imports: set[str]) -> list[str]:
     if owner not in ("app", "tests", "tools", "cache", "events") and "app" in top:
         problems.append("only app/, tests/ and tools/ may import app")
     return [f"{relative}: {problem}" for problem in problems]
+
+
+def _graph() -> dict[str, set[str]]:
+    """Module -> the modules of cache/, events/ and app/ it imports (any kind of import)."""
+    modules = {
+        _module_name(path): path
+        for path in _python_files()
+        if path.relative_to(REPO_ROOT).parts[0] in ("app", "cache", "events")
+    }
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        imported = imported_modules(path.read_text(), name, is_package=path.name == "__init__.py")
+        targets: set[str] = set()
+        for target in imported:
+            # "from app.x import y" names app.x.y: a module if there is one, else app.x.
+            while target and target not in modules:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                targets.add(target)
+        graph[name] = targets
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in sorted(graph.get(node, ())):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_import_circle() -> None:
+    # A package's __init__ that re-exports its modules imports them and they may import their
+    # siblings through it; that is one package, not a circle between concepts.
+    graph = {
+        name: {t for t in targets if not (name.startswith(t + ".") and _is_package(t))}
+        for name, targets in _graph().items()
+    }
+    assert _cycles(graph) == []
+
+
+def _is_package(module: str) -> bool:
+    return (REPO_ROOT / module.replace(".", "/") / "__init__.py").exists()
+
+
+def test_the_cycle_finder_finds_cycles() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": {"e"}}
+    assert _cycles(graph) == [["a", "b", "c"]]
+
+
+# Inside app/: who may import whom (by the first part below app).
+SERVICES = {"worker", "router", "dashboard"}
+APP_RULES: dict[str, set[str]] = {
+    "core": set(),
+    "cluster": {"core"},
+    "worker": {"core"},
+    "router": {"core", "cluster"},
+    "dashboard": {"core", "cluster"},
+    "replay": {"core", "router"},  # the router's core and policies
+}
+
+
+def app_violations(module: str, targets: set[str]) -> list[str]:
+    parts = module.split(".")
+    if parts[0] != "app" or len(parts) < 2:
+        return []
+    owner = parts[1]
+    allowed = APP_RULES.get(owner)
+    if allowed is None:
+        return []
+    problems = []
+    for target in sorted(targets):
+        tparts = target.split(".")
+        if tparts[0] != "app" or len(tparts) < 2 or tparts[1] == owner:
+            continue
+        if tparts[1] not in allowed:
+            problems.append(f"{module} imports {target}: app/{owner}/ may import {sorted(allowed)}")
+        elif (
+            owner == "replay"
+            and tparts[1] == "router"
+            and tparts[2:3]
+            not in (
+                ["core"],
+                ["policies"],
+            )
+        ):
+            problems.append(f"{module} imports {target}: replay uses the router's core only")
+    return problems
+
+
+def test_services_never_import_each_other() -> None:
+    problems: list[str] = []
+    for module, targets in _graph().items():
+        problems += app_violations(module, targets)
+    assert problems == []
+
+
+@pytest.mark.parametrize(
+    ("module", "targets", "expected"),
+    [
+        ("app.dashboard.state", {"app.router.policies"}, 1),
+        ("app.router.runtime", {"app.dashboard.runtime"}, 1),
+        ("app.worker.api", {"app.router.core"}, 1),
+        ("app.cluster.view", {"app.router.core"}, 1),
+        ("app.core.http", {"app.cluster.view"}, 1),
+        ("app.replay.cluster", {"app.router.runtime"}, 1),
+        ("app.replay.cluster", {"app.router.core", "app.router.policies.base"}, 0),
+        ("app.services", {"app.router.app", "app.dashboard.app"}, 0),
+        ("app.router.api", {"app.cluster.view", "app.core.http"}, 0),
+    ],
+)
+def test_the_service_rules_catch_wrong_imports(
+    module: str, targets: set[str], expected: int
+) -> None:
+    assert len(app_violations(module, targets)) == expected
+
+
+MAX_LINES = 600
+# Modules that hold one concept needing more room; each says why.
+LONG_MODULES: dict[str, str] = {
+    # Being split in this issue's later steps (issue 21); each entry goes with its split.
+    "app/worker/engine.py": "the engine loop and its scheduler",
+    "cache/manager.py": "split pending",
+    "cache/window.py": "split pending",
+}
+
+
+def test_every_module_is_one_room() -> None:
+    long = {
+        str(path.relative_to(REPO_ROOT)): n
+        for path in _python_files()
+        if path.relative_to(REPO_ROOT).parts[0] in ("app", "cache", "events")
+        and (n := len(path.read_text().splitlines())) > MAX_LINES
+    }
+    assert {p: n for p, n in long.items() if p not in LONG_MODULES} == {}
+    assert sorted(set(LONG_MODULES) - set(long)) == [], "LONG_MODULES names a module now short"
 
 
 def test_import_direction() -> None:

@@ -6,7 +6,7 @@ give now (``tests/test_api_docs.py`` runs that comparison, so the page cannot dr
 
 The schemas come from ``create_app`` of the worker and of the router, which builds the routes
 and connects to nothing until its lifespan runs. The settings they are built with read no
-environment (``_IsolatedWorkerSettings``, ``_IsolatedRouterSettings``), so a ``KVMESH_``
+environment (``_isolated``), so a ``KVMESH_``
 variable set in the shell cannot change the page. The output depends only on the code:
 paths in the order the services declare them, statuses sorted, models sorted by name.
 """
@@ -19,10 +19,12 @@ import json
 import sys
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource
 
+from app.core.settings import Settings
+from app.dashboard.settings import DashboardSettings
 from app.router.settings import RouterSettings
 from app.worker.settings import WorkerSettings
 
@@ -44,34 +46,25 @@ _CONSTRAINTS = (
 )
 
 
-class _IsolatedWorkerSettings(WorkerSettings):
-    """``WorkerSettings`` from its arguments and defaults only (no ``KVMESH_`` variables)."""
-
-    @classmethod
-    def settings_customise_sources(
-        cls,
-        settings_cls: type[BaseSettings],
-        init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource,
-        dotenv_settings: PydanticBaseSettingsSource,
-        file_secret_settings: PydanticBaseSettingsSource,
-    ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return (init_settings,)
+S = TypeVar("S", bound=Settings)
 
 
-class _IsolatedRouterSettings(RouterSettings):
-    """``RouterSettings`` from its arguments and defaults only (no ``KVMESH_`` variables)."""
+def _isolated(model: type[S]) -> type[S]:
+    """``model`` built from its arguments and defaults only (no ``KVMESH_`` variables)."""
 
-    @classmethod
-    def settings_customise_sources(
-        cls,
-        settings_cls: type[BaseSettings],
-        init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource,
-        dotenv_settings: PydanticBaseSettingsSource,
-        file_secret_settings: PydanticBaseSettingsSource,
-    ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return (init_settings,)
+    class Isolated(model):  # type: ignore[valid-type,misc]
+        @classmethod
+        def settings_customise_sources(
+            cls,
+            settings_cls: type[BaseSettings],
+            init_settings: PydanticBaseSettingsSource,
+            env_settings: PydanticBaseSettingsSource,
+            dotenv_settings: PydanticBaseSettingsSource,
+            file_secret_settings: PydanticBaseSettingsSource,
+        ) -> tuple[PydanticBaseSettingsSource, ...]:
+            return (init_settings,)
+
+    return Isolated
 
 
 class Service:
@@ -98,15 +91,15 @@ class Service:
 
 def build_services() -> list[Service]:
     """The worker's, the router's and the standalone dashboard's schemas (no I/O)."""
-    from app.router.service import create_app as create_router_app
-    from app.worker.service import create_app as create_worker_app
+    from app.services import dashboard_app, router_app
+    from app.worker.app import create_app as create_worker_app
 
+    unused = {"redis_url": "redis://unused"}
     worker = create_worker_app(
-        _IsolatedWorkerSettings.model_validate({"worker_id": "w0"})
+        _isolated(WorkerSettings).model_validate({"worker_id": "w0"})
     ).openapi()
-    router_settings = _IsolatedRouterSettings.model_validate({"redis_url": "redis://unused"})
-    router = create_router_app(router_settings).openapi()
-    dashboard = create_router_app(router_settings, routing=False).openapi()
+    router = router_app(_isolated(RouterSettings).model_validate(unused)).openapi()
+    dashboard = dashboard_app(_isolated(DashboardSettings).model_validate(unused)).openapi()
     return [
         Service("worker", "kvmesh worker", worker),
         Service("router", "kvmesh router", router),

@@ -56,7 +56,7 @@ import numpy as np
 
 from app.bench import bench_redis, receive
 from cache import KVCacheEvent, KVCacheManager, LlmRequest, RemovedData, StoredData
-from events.consumer import EventConsumer
+from events.consumer import ConsumerConfig, EventConsumer
 from events.envelope import Envelope
 from events.publisher import EventPublisher
 
@@ -200,7 +200,7 @@ async def _consume(
             if not remaining:
                 done.set()
 
-    consumer = EventConsumer(url, on_entry=on_entry, registry_interval_s=0.1)
+    consumer = EventConsumer(url, ConsumerConfig(registry_interval_s=0.1), on_entry=on_entry)
     async with consumer:
         while any(consumer.last_seq(w) is None for w in expected):
             await asyncio.sleep(0.005)

@@ -42,9 +42,9 @@ import msgpack  # type: ignore[import-untyped]
 import zmq
 
 from app.bench import bench_redis, receive
-from app.ingest_vllm import VllmIngest
+from app.ingest.vllm import VllmIngest
 from cache import block_hashes_for_tokens
-from events.consumer import EventConsumer
+from events.consumer import ConsumerConfig, EventConsumer
 
 SEED = 13  # issue #13
 TOKENS_PER_BLOCK = 16
@@ -185,12 +185,12 @@ async def _ingest(url: str, work: Workload, conn: Connection) -> dict[str, Any]:
         stats = ingest.stats()
         publisher_stats = ingest.publisher.stats()
         local = ingest.local_blocks()
-        consumer = EventConsumer(url, registry_interval_s=0.05)
+        consumer = EventConsumer(url, ConsumerConfig(registry_interval_s=0.05))
         async with consumer:
             deadline = time.monotonic() + TIMEOUT_S
             while time.monotonic() < deadline:
                 index = consumer.index
-                seen = index.worker_blocks(worker_id) if worker_id in index.workers() else {}
+                seen = index.worker_blocks(worker_id)
                 if seen == work.final and consumer.last_seq(worker_id) == ingest.publisher.last_seq:
                     break
                 await asyncio.sleep(0.01)

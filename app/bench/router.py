@@ -28,7 +28,8 @@ Timed: ``POST /route`` with ``{"prompt_token_ids": [...]}`` (bodies serialised b
 orjson), open loop: request ``i`` is due at ``start + i / rate`` whatever the answers before
 it; 1,000 requests/s for 10 s (``--quick``: 200/s for 1 s), cycling over the requests. Each is
 sent on an idle connection from a pool of ``NUM_CLIENTS`` keep-alive connections, through a
-minimal HTTP/1.1 client (``_Connection``; httpx cost as much CPU per request as the router).
+minimal HTTP/1.1 client (``app.bench.http_client``; httpx cost as much CPU per request as the
+router).
 Latency (``http_*_ms``) is measured from the request's due time to its answer parsed, so a
 client or router that falls behind shows up in it instead of silently lowering the rate;
 ``http_send_lag_p99_ms`` is how late requests left the client. An answer counts as an error
@@ -68,12 +69,13 @@ import numpy as np
 import orjson
 import uvloop
 
+from app.bench.http_client import KeepAliveConnection
 from app.bench.index import NUM_WORKERS, SEED, TOKENS_PER_BLOCK, build_streaming, generate
 from app.bench.worker import _cpu_seconds, _machine_busy_seconds, kvmesh_process
 from app.core.embedded_redis import EmbeddedRedis
 from app.core.net import free_port
 from app.router.core import RouterCore
-from app.router.policy import RouteRequest, choose
+from app.router.policies import RouteRequest, choose
 from cache import KVCacheEvent
 from events.codec import decode_events
 from events.index import PrefixIndex
@@ -361,57 +363,6 @@ class Outcome:
     machine_cpu_s: float | None = None
 
 
-class _Connection:
-    """One keep-alive HTTP/1.1 connection that POSTs JSON to ``/route``: the load generator.
-
-    httpx spent about 1 ms of CPU per request, as much as the router under test, and on two
-    cores the client's lag then shows as the router's latency. This is the least a client can
-    do: write the request, read the status line, the headers and Content-Length bytes."""
-
-    def __init__(self, host: str, port: int) -> None:
-        self.host, self.port = host, port
-        self._reader: asyncio.StreamReader | None = None
-        self._writer: asyncio.StreamWriter | None = None
-
-    async def post(self, body: bytes) -> dict[str, Any]:
-        """The answer to one ``/route``; ValueError unless it is a 200 naming a worker. After
-        any failure the connection is dropped (the next request opens a new one)."""
-        try:
-            return await self._post(body)
-        except BaseException:
-            writer, self._writer, self._reader = self._writer, None, None
-            if writer is not None:
-                writer.close()
-            raise
-
-    async def _post(self, body: bytes) -> dict[str, Any]:
-        if self._writer is None:
-            self._reader, self._writer = await asyncio.open_connection(self.host, self.port)
-        assert self._reader is not None
-        self._writer.write(
-            b"POST /route HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
-            b"Content-Length: %d\r\n\r\n" % (self.host.encode(), len(body)) + body
-        )
-        head = await self._reader.readuntil(b"\r\n\r\n")
-        status = int(head[9:12])
-        length = 0
-        for line in head.split(b"\r\n")[1:]:
-            name, _, value = line.partition(b":")
-            if name.lower() == b"content-length":
-                length = int(value)
-        content = await self._reader.readexactly(length)
-        if status != 200:
-            raise ValueError(f"status {status}: {content[:200]!r}")
-        answer: dict[str, Any] = orjson.loads(content)
-        return answer
-
-    async def aclose(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            with contextlib.suppress(OSError):
-                await self._writer.wait_closed()
-
-
 async def _drive(
     base_url: str,
     bodies: list[bytes],
@@ -424,7 +375,7 @@ async def _drive(
     workers = set(chosen)
     outcome = Outcome()
     async with contextlib.AsyncExitStack() as stack:
-        clients = [_Connection(host, int(port)) for _ in range(NUM_CLIENTS)]
+        clients = [KeepAliveConnection(host, int(port)) for _ in range(NUM_CLIENTS)]
         for client in clients:
             stack.push_async_callback(client.aclose)
         # Warm-up: one request per client at once (opens the connections), then one by one.
@@ -432,7 +383,7 @@ async def _drive(
         for i in range(NUM_WARMUP):
             await clients[0].post(bodies[i % len(bodies)])
 
-        idle: asyncio.Queue[_Connection] = asyncio.Queue()
+        idle: asyncio.Queue[KeepAliveConnection] = asyncio.Queue()
         for client in clients:
             idle.put_nowait(client)
         clock = time.perf_counter

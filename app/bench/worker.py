@@ -169,7 +169,7 @@ def _delta(after: float | None, before: float | None) -> float | None:
 
 def make_manager() -> KVCacheManager:
     """A manager exactly as the benchmarked worker builds its own."""
-    from app.worker.service import build_manager
+    from app.worker.runtime import build_manager
     from app.worker.settings import WorkerSettings
 
     return build_manager(WorkerSettings(worker_id="bench-manager-only", **WORKER_OPTIONS))

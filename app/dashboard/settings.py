@@ -1,13 +1,14 @@
 """Settings of ``kvmesh dashboard``, the standalone read-only dashboard: flags and ``KVMESH_``
-variables, as for the router (it follows the cluster the same way, without routing)."""
+variables, as for the router (it follows the cluster the same way, through a ``ClusterView``,
+without routing)."""
 
 from __future__ import annotations
 
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
+from app.cluster.view import ViewConfig
 from app.core.settings import Settings
-from app.router.settings import RouterSettings
 
 __all__ = ["DashboardSettings"]
 
@@ -23,8 +24,9 @@ class DashboardSettings(Settings):
         10.0, gt=0, description="longest the consumer holds the event loop at a time"
     )
 
-    def router_settings(self) -> RouterSettings:
-        """The router's settings that the shared runtime reads (routing itself stays off)."""
-        shared = ("redis_url", "log_level", "host", "port", "load_interval_s", "max_lag_ms")
-        values = {name: getattr(self, name) for name in (*shared, "step_budget_ms")}
-        return RouterSettings(**values)
+    def view_config(self) -> ViewConfig:
+        return ViewConfig(
+            load_interval_s=self.load_interval_s,
+            max_lag_ms=self.max_lag_ms,
+            step_budget_s=self.step_budget_ms / 1000,
+        )

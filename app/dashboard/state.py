@@ -24,14 +24,13 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
-from app.router.policy import Decision
 from cache import CreatedData, KVCacheEvent, RemovedData, StoredData, UpdatedData
 from events.envelope import Envelope
 from events.index import PrefixIndex
 
-__all__ = ["DashboardState", "hex_hash"]
+__all__ = ["DashboardState", "DecisionLike", "hex_hash"]
 
 _TYPES = ("stored", "removed", "updated")
 _FEED_HASHES = 3  # hashes shown per feed item
@@ -39,6 +38,29 @@ _FEED_HASHES = 3  # hashes shown per feed item
 
 def hex_hash(block_hash: int) -> str:
     return f"{block_hash:016x}"
+
+
+class _CostLike(Protocol):
+    @property
+    def worker(self) -> str: ...
+    @property
+    def cost(self) -> float: ...
+
+
+class DecisionLike(Protocol):
+    """What the dashboard reads of a router's decision (``app.router.policy.Decision`` is one;
+    the dashboard does not import the router)."""
+
+    @property
+    def policy(self) -> str: ...
+    @property
+    def worker(self) -> str: ...
+    @property
+    def expected_cached_tokens(self) -> int: ...
+    @property
+    def fresh(self) -> bool: ...
+    @property
+    def costs(self) -> Sequence[_CostLike]: ...
 
 
 @dataclass(slots=True)
@@ -124,7 +146,7 @@ class DashboardState:
         self,
         request_id: str,
         kind: str,
-        decision: Decision,
+        decision: DecisionLike,
         num_tokens: int,
         block_hashes: Sequence[int],
     ) -> None:

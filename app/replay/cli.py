@@ -23,11 +23,11 @@ from concurrent.futures import Future, ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from app.core.sim_timing import SimTiming
 from app.replay.cluster import POOLED, REPLAY_TIMING, ClusterConfig, RunResult, run_policy
 from app.replay.report import format_table, plot, summarise
 from app.replay.trace import TokenSource, TraceError, TraceRequest, load_trace
-from app.router.policy import POLICIES, Weights
-from app.worker.backend import SimTiming
+from app.router.policies import POLICIES, Weights
 
 __all__ = ["add_arguments", "main"]
 

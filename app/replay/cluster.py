@@ -54,10 +54,10 @@ from typing import Final, Protocol
 import numpy as np
 import numpy.typing as npt
 
+from app.core.sim_timing import SimTiming
 from app.replay.trace import TokenSource, TraceRequest
 from app.router.core import RouterCore
-from app.router.policy import Weights
-from app.worker.backend import SimTiming
+from app.router.policies import Weights
 from cache import (
     KVCacheEvent,
     KVCacheManager,

@@ -20,9 +20,7 @@ worker; if that fails too the client gets a 502 naming both.
 
 from __future__ import annotations
 
-import time
 import uuid
-from array import array
 from collections.abc import AsyncIterator
 from dataclasses import asdict
 from typing import Annotated, Any
@@ -33,7 +31,6 @@ import numpy.typing as npt
 import orjson
 from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi.responses import Response, StreamingResponse
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.core.errors import BadRequest
 from app.core.http import (
@@ -44,137 +41,26 @@ from app.core.http import (
     error_responses,
     install_error_handlers,
 )
+from app.core.lifespan import runtime_of
 from app.core.middleware import BodyLimit, error_body
 from app.router import schemas
 from app.router.core import NoWorkerError
+from app.router.decisions import decide, prompt_words, route_body, routing_of
+from app.router.decisions import explain as explain_workers
+from app.router.fast_path import RouteFastPath
 from app.router.metrics import CONTENT_TYPE
-from app.router.policy import Candidate, Decision, Weights
-from app.router.service import RouterRuntime
+from app.router.runtime import RouterRuntime
+from app.router.settings import RouterSettings
 
 __all__ = ["install"]
 
 _RETRY_STATUSES = frozenset((502, 503, 504))
 
 
-async def _runtime(request: Request) -> RouterRuntime:
-    runtime: RouterRuntime = request.app.state.runtime
-    return runtime
-
-
-Runtime = Annotated[RouterRuntime, Depends(_runtime)]
+Runtime = Annotated[RouterRuntime, Depends(runtime_of)]
 
 
 # -- prompts and decisions ---------------------------------------------------------------------
-
-
-def _tokens(
-    runtime: RouterRuntime, prompt: str | list[int], param: str
-) -> tuple[list[int], npt.NDArray[np.uint32]]:
-    """The prompt as token ids, and as the uint32 words the hasher reads (one C-level pass,
-    which is also the range check)."""
-    if isinstance(prompt, str):
-        if runtime.tokenizer is None:
-            raise BadRequest(
-                f"{param}: text prompts need the router's tokenizer (--tokenizer); "
-                "send token ids instead",
-                param=param,
-            )
-        tokens = runtime.tokenize(prompt)
-    else:
-        tokens = prompt
-    if not tokens:
-        raise BadRequest(f"{param}: must hold at least one token", param=param)
-    if len(tokens) > runtime.settings.max_prompt_tokens:
-        raise BadRequest(
-            f"{param}: {len(tokens)} tokens; the router takes at most "
-            f"{runtime.settings.max_prompt_tokens}",
-            param=param,
-        )
-    try:
-        words = np.frombuffer(array("I", tokens), dtype=np.uint32)
-    except OverflowError:
-        raise BadRequest(f"{param}: token ids must be within 0..2**32-1", param=param) from None
-    return tokens, words
-
-
-def _routing(runtime: RouterRuntime, routing: schemas.Routing | None) -> tuple[str, Weights]:
-    core = runtime.core
-    if routing is None:
-        return core.policy, core.weights
-    weights = core.weights
-    if routing.weights is not None:
-        try:
-            weights = weights.updated(**routing.weights.model_dump())
-        except ValueError as exc:
-            raise BadRequest(f"routing.weights: {exc}", param="routing.weights") from None
-    return routing.policy or core.policy, weights
-
-
-def _decide(
-    runtime: RouterRuntime,
-    words: npt.NDArray[np.uint32],
-    fields: schemas.PromptFields,
-    request_id: str,
-    kind: str,
-    *,
-    exclude: tuple[str, ...] = (),
-) -> tuple[Decision, list[int], float]:
-    """Hash the prompt and choose; (decision, block hashes, seconds it took)."""
-    start = time.perf_counter()
-    core = runtime.core
-    policy, weights = _routing(runtime, fields.routing)
-    hashes = core.hashes(words, lora_task_id=fields.lora_task_id, cache_salt=fields.cache_salt)
-    decision = core.decide(hashes, len(words), policy=policy, weights=weights, exclude=exclude)
-    elapsed = time.perf_counter() - start
-    runtime.metrics.observe_decision(decision, elapsed, len(words))
-    runtime.dashboard.on_decision(request_id, kind, decision, len(words), hashes)
-    return decision, hashes, elapsed
-
-
-def _route_body(
-    runtime: RouterRuntime, decision: Decision, num_tokens: int, seconds: float
-) -> dict[str, Any]:
-    view = runtime.core.workers.get(decision.worker)
-    return {
-        "worker": decision.worker,
-        "url": view.url if view is not None else None,
-        "policy": decision.policy,
-        "expected_cached_tokens": decision.expected_cached_tokens,
-        "fresh": decision.fresh,
-        "num_tokens": num_tokens,
-        "num_blocks": num_tokens // runtime.core.tokens_per_block,
-        "decision_us": round(seconds * 1e6, 3),
-        "costs": decision.costs,  # dataclasses: orjson writes them as objects
-    }
-
-
-def _explain(runtime: RouterRuntime, decision: Decision, hashes: list[int]) -> list[dict[str, Any]]:
-    core = runtime.core
-    by_tier = core.index.find_matches_by_tier(hashes) if hashes else {}
-    candidates: dict[str, Candidate] = {c.worker: c for c in core.candidates(hashes)}
-    out: list[dict[str, Any]] = []
-    for cost in decision.costs:
-        c = candidates.get(cost.worker) or Candidate(cost.worker)
-        view = core.workers.get(cost.worker)
-        depth, gpu = by_tier.get(cost.worker, (0, 0))
-        out.append(
-            {
-                "worker": cost.worker,
-                "state": view.state if view is not None else "gone",
-                "stale_reason": view.stale_reason if view is not None else None,
-                "matched_blocks": c.matched_blocks,
-                "index_blocks": depth,
-                "gpu_blocks": gpu,
-                "host_blocks": depth - gpu,
-                "predicted_blocks": c.matched_blocks - depth,
-                "queued_prefill_tokens": c.queued_prefill_tokens,
-                "running": c.running,
-                "active_blocks": c.active_blocks,
-                "free_blocks": c.free_blocks,
-                "cost": asdict(cost),
-            }
-        )
-    return out
 
 
 def _sse(data: Any) -> bytes:
@@ -199,11 +85,11 @@ def _routing_router() -> APIRouter:
         prompt = body.prompt_token_ids if body.prompt_token_ids is not None else body.prompt
         param = "prompt_token_ids" if body.prompt_token_ids is not None else "prompt"
         assert prompt is not None
-        _, words = _tokens(runtime, prompt, param)
-        decision, hashes, seconds = _decide(runtime, words, body, "", "route")
-        out = _route_body(runtime, decision, len(words), seconds)
+        _, words = prompt_words(runtime, prompt, param)
+        decision, hashes, seconds = decide(runtime, words, body, "", "route")
+        out = route_body(runtime, decision, len(words), seconds)
         if explain:
-            out["workers"] = _explain(runtime, decision, hashes)
+            out["workers"] = explain_workers(runtime, decision, hashes)
         return OrjsonResponse(out)
 
     @router.post(
@@ -221,7 +107,7 @@ def _routing_router() -> APIRouter:
         responses=error_responses(400, 413, 502, 503),
     )
     async def completions(body: schemas.CompletionBody, runtime: Runtime) -> Response:
-        tokens, words = _tokens(runtime, body.prompt, "prompt")
+        tokens, words = prompt_words(runtime, body.prompt, "prompt")
         payload = body.model_dump(exclude_unset=True, exclude={"routing"})
         payload["prompt"] = tokens
         request_id = body.request_id or f"cmpl-{uuid.uuid4().hex}"
@@ -247,7 +133,7 @@ async def _proxy(
     tried: list[str] = []
     failures: list[str] = []
     for _attempt in range(2):
-        decision, hashes, _ = _decide(
+        decision, hashes, _ = decide(
             runtime, words, body, request_id, "completion", exclude=tuple(tried)
         )
         worker = decision.worker
@@ -324,9 +210,9 @@ async def _relay(
         runtime.metrics.completions.labels(worker=worker, status=status).inc()
 
 
-def _cluster_router(runtime_settings: Any, *, routing: bool) -> APIRouter:
+def _cluster_router(settings: RouterSettings) -> APIRouter:
     router = APIRouter(tags=["cluster"], route_class=OrjsonRoute)
-    admin = admin_dependency(runtime_settings.admin_token, "router")
+    admin = admin_dependency(settings.admin_token, "router")
 
     @router.get("/workers", summary="Every worker: state, load, blocks per tier, heartbeat")
     async def workers(runtime: Runtime) -> Response:
@@ -343,60 +229,58 @@ def _cluster_router(runtime_settings: Any, *, routing: bool) -> APIRouter:
             }
         )
 
-    if routing:
+    @router.get("/policy", response_model=schemas.PolicyOut, summary="The routing policy")
+    async def get_policy(runtime: Runtime) -> Response:
+        return OrjsonResponse(_policy_body(runtime))
 
-        @router.get("/policy", response_model=schemas.PolicyOut, summary="The routing policy")
-        async def get_policy(runtime: Runtime) -> Response:
-            return OrjsonResponse(_policy_body(runtime))
-
-        @router.put(
-            "/policy",
-            response_model=schemas.PolicyOut,
-            dependencies=[admin],
-            summary="Change the routing policy or its weights (admin)",
-            responses=error_responses(400, 401, 403),
+    @router.put(
+        "/policy",
+        response_model=schemas.PolicyOut,
+        dependencies=[admin],
+        summary="Change the routing policy or its weights (admin)",
+        responses=error_responses(400, 401, 403),
+    )
+    async def put_policy(body: schemas.PolicyUpdate, runtime: Runtime) -> Response:
+        policy, weights = routing_of(
+            runtime, schemas.Routing(policy=body.policy, weights=body.weights)
         )
-        async def put_policy(body: schemas.PolicyUpdate, runtime: Runtime) -> Response:
-            policy, weights = _routing(
-                runtime, schemas.Routing(policy=body.policy, weights=body.weights)
-            )
-            runtime.core.policy = policy
-            runtime.core.weights = weights
-            return OrjsonResponse(_policy_body(runtime))
+        runtime.core.policy = policy
+        runtime.core.weights = weights
+        return OrjsonResponse(_policy_body(runtime))
 
-        fleet_errors = error_responses(401, 403, 404, 503)
+    fleet_errors = error_responses(401, 403, 404, 503)
 
-        @router.post(
-            "/workers/{worker_id}/cordon",
-            summary="No new requests to this worker from any router; those in flight finish "
-            "(admin; kept in Redis until uncordoned)",
-            dependencies=[admin],
-            responses=fleet_errors,
-            tags=["fleet"],
-        )
-        async def cordon(worker_id: str, runtime: Runtime) -> Response:
-            return OrjsonResponse(await runtime.cordon(worker_id, "cordoned"))
+    @router.post(
+        "/workers/{worker_id}/cordon",
+        summary="No new requests to this worker from any router; those in flight finish "
+        "(admin; kept in Redis until uncordoned)",
+        dependencies=[admin],
+        responses=fleet_errors,
+        tags=["fleet"],
+    )
+    async def cordon(worker_id: str, runtime: Runtime) -> Response:
+        return OrjsonResponse(await runtime.cordon(worker_id, "cordoned"))
 
-        @router.post(
-            "/workers/{worker_id}/drain",
-            summary="Cordon, then the worker's own POST /drain; GET /workers reports what is "
-            "left in flight until done (admin)",
-            dependencies=[admin],
-            responses=fleet_errors,
-            tags=["fleet"],
-        )
-        async def drain(worker_id: str, runtime: Runtime) -> Response:
-            return OrjsonResponse(await runtime.cordon(worker_id, "draining"))
+    @router.post(
+        "/workers/{worker_id}/drain",
+        summary="Cordon, then the worker's own POST /drain; GET /workers reports what is "
+        "left in flight until done (admin)",
+        dependencies=[admin],
+        responses=fleet_errors,
+        tags=["fleet"],
+    )
+    async def drain(worker_id: str, runtime: Runtime) -> Response:
+        return OrjsonResponse(await runtime.cordon(worker_id, "draining"))
 
-        @router.post(
-            "/workers/{worker_id}/uncordon",
-            summary="Back in rotation; a drained worker is asked to admit again (admin)",
-            dependencies=[admin],
-            responses=fleet_errors,
-            tags=["fleet"],
-        )
-        async def uncordon(worker_id: str, runtime: Runtime) -> Response:
-            return OrjsonResponse(await runtime.uncordon(worker_id))
+    @router.post(
+        "/workers/{worker_id}/uncordon",
+        summary="Back in rotation; a drained worker is asked to admit again (admin)",
+        dependencies=[admin],
+        responses=fleet_errors,
+        tags=["fleet"],
+    )
+    async def uncordon(worker_id: str, runtime: Runtime) -> Response:
+        return OrjsonResponse(await runtime.uncordon(worker_id))
 
     @router.get("/health", summary="The process is up")
     async def health() -> Response:
@@ -435,120 +319,10 @@ def _install_error_handlers(app: FastAPI, retry_after_s: int) -> None:
         )
 
 
-# -- the fast path of POST /route --------------------------------------------------------------
-
-_FAST_KEYS = frozenset(("prompt_token_ids", "prompt", "lora_task_id", "cache_salt"))
-_MAX_U64 = (1 << 64) - 1
-
-
-class RouteFastPath:
-    """``POST /route`` with a plain body (token ids, and at most a LoRA id and a cache salt),
-    answered without FastAPI's request machinery: at 1,000 decisions a second its dependency
-    solving and model validation were a third of the router's CPU. The checks are the same as
-    the schema's; anything else (text prompts, ``routing``, ``?explain``, a field out of range,
-    malformed JSON, an error to report) goes to the FastAPI route, which answers it, errors
-    included, exactly as before. The OpenAPI schema is the FastAPI route's."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if (
-            scope["type"] != "http"
-            or scope["path"] != "/route"
-            or scope["method"] != "POST"
-            or scope["query_string"]
-            or not _json_content(scope)
-        ):
-            await self.app(scope, receive, send)
-            return
-        chunks: list[bytes] = []
-        more = True
-        while more:
-            message = await receive()
-            if message["type"] != "http.request":  # the client went away
-                return
-            chunks.append(message.get("body", b""))
-            more = message.get("more_body", False)
-        body = b"".join(chunks)
-        runtime: RouterRuntime | None = getattr(scope["app"].state, "runtime", None)
-        answer = _fast_route(runtime, body) if runtime is not None else None
-        if answer is None:
-            await self.app(scope, _replay(body), send)
-            return
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 200,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", b"%d" % len(answer)),
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": answer})
-
-
-def _json_content(scope: Scope) -> bool:
-    """Whether FastAPI would parse this body as JSON (its strict content type: a JSON media
-    type, not a missing one); when not, the route refuses the body, and so must this path."""
-    for name, value in scope["headers"]:
-        if name == b"content-type":
-            kind = value.split(b";", 1)[0].strip().lower()
-            return kind == b"application/json" or (
-                kind.startswith(b"application/") and kind.endswith(b"+json")
-            )
-    return False
-
-
-def _replay(body: bytes) -> Receive:
-    sent = False
-
-    async def receive() -> Message:
-        nonlocal sent
-        if sent:
-            return {"type": "http.disconnect"}
-        sent = True
-        return {"type": "http.request", "body": body, "more_body": False}
-
-    return receive
-
-
-def _fast_route(runtime: RouterRuntime, body: bytes) -> bytes | None:
-    """The answer to a plain ``/route`` body, or None when the FastAPI route must answer."""
-    try:
-        data = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        return None
-    if type(data) is not dict or not data.keys() <= _FAST_KEYS:
-        return None
-    if ("prompt" in data) == ("prompt_token_ids" in data):
-        return None
-    tokens = data.get("prompt_token_ids", data.get("prompt"))
-    lora, salt = data.get("lora_task_id"), data.get("cache_salt")
-    if (
-        type(tokens) is not list
-        or not 0 < len(tokens) <= runtime.settings.max_prompt_tokens
-        or (lora is not None and (type(lora) is not int or not 0 <= lora <= _MAX_U64))
-        or (salt is not None and (type(salt) is not str or not 0 < len(salt) <= 256))
-    ):
-        return None
-    try:
-        words = np.frombuffer(array("I", tokens), dtype=np.uint32)
-    except (OverflowError, TypeError):  # the FastAPI route names the problem
-        return None
-    fields = schemas.PromptFields.model_construct(lora_task_id=lora, cache_salt=salt, routing=None)
-    try:
-        decision, _, seconds = _decide(runtime, words, fields, "", "route")
-    except NoWorkerError:
-        return None  # the FastAPI route answers the 503, with its Retry-After
-    return orjson.dumps(_route_body(runtime, decision, len(words), seconds))
-
-
-def install(app: FastAPI, settings: Any, *, routing: bool = True) -> None:
+def install(app: FastAPI, settings: RouterSettings) -> None:
+    """The router's routes, its error handlers, the fast path and the body limit."""
     _install_error_handlers(app, settings.retry_after_s)
-    if routing:
-        app.include_router(_routing_router())
-        app.add_middleware(RouteFastPath)  # inside BodyLimit, which is added after it
-    app.include_router(_cluster_router(settings, routing=routing))
+    app.include_router(_routing_router())
+    app.include_router(_cluster_router(settings))
+    app.add_middleware(RouteFastPath)  # inside BodyLimit, which is added after it
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)

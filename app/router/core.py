@@ -32,20 +32,20 @@ from typing import Any, Literal
 
 import numpy.typing as npt
 
-from app.router.policy import (
+from app.router.policies import (
     Candidate,
     Decision,
     PolicyState,
     RouteRequest,
     Weights,
-    choose,
+    policy_named,
 )
 from cache import block_hashes_for_tokens, cache_salt_id
 from events.index import PrefixIndex
 
-__all__ = ["InFlight", "NoWorkerError", "RouterCore", "WorkerState", "WorkerView"]
+__all__ = ["InFlight", "NoWorkerError", "RouterCore", "RoutingState", "WorkerView"]
 
-WorkerState = Literal["up", "stale", "draining", "cordoned"]
+RoutingState = Literal["up", "stale", "draining", "cordoned"]
 _NO_MATCH = (0, 0)
 
 
@@ -59,7 +59,7 @@ class WorkerView:
     url: str | None = None
     capacity_blocks: int = 0
     draining: bool = False  # the worker said so in its registry entry
-    cordon: str | None = None  # "cordoned" or "draining": an operator's (app.router.fleet)
+    cordon: str | None = None  # "cordoned" or "draining": an operator's (app.cluster.fleet)
     stale_reason: str | None = None  # why its index data or load is not current; None: fresh
     load: dict[str, int] = field(default_factory=dict)  # as the worker last reported it
     # The router's own accounting of what it sent there.
@@ -105,7 +105,7 @@ class WorkerView:
         return not self.draining and self.cordon is None
 
     @property
-    def state(self) -> WorkerState:
+    def state(self) -> RoutingState:
         if self.draining or self.cordon == "draining":
             return "draining"
         if self.cordon is not None:
@@ -235,7 +235,7 @@ class RouterCore:
     ) -> list[Candidate]:
         """One ``Candidate`` per worker that may take a request (admitting, not excluded),
         in worker-id order so that every router sees the same list. ``tree_sizes=False``
-        leaves ``cached_blocks`` 0 (only the ``sglang`` policy reads it)."""
+        leaves ``cached_blocks`` 0 (a policy that reads it declares so: ``needs_tree_sizes``)."""
         predictions = self._predicted
         now = 0.0
         if predictions:
@@ -259,16 +259,16 @@ class RouterCore:
             queued, running, active, free = view.load_terms()
             out.append(
                 Candidate(
-                    worker,
-                    depth,
-                    host,
-                    queued,
-                    running,
-                    active,
-                    free,
-                    view.capacity_blocks,
-                    self._num_cached(worker) if tree_sizes else 0,
-                    view.stale_reason is None,
+                    worker=worker,
+                    matched_blocks=depth,
+                    host_blocks=host,
+                    queued_prefill_tokens=queued,
+                    running=running,
+                    active_blocks=active,
+                    free_blocks=free,
+                    capacity_blocks=view.capacity_blocks,
+                    cached_blocks=self._num_cached(worker) if tree_sizes else 0,
+                    fresh=view.stale_reason is None,
                 )
             )
         return out
@@ -290,16 +290,16 @@ class RouterCore:
     ) -> Decision:
         """Choose a worker for a prompt of ``num_tokens`` tokens whose full blocks hash to
         ``block_hashes``. Changes nothing but the policy state; ``begin`` records the choice."""
-        policy = policy or self.policy
-        candidates = self.candidates(block_hashes, exclude=exclude, tree_sizes=policy == "sglang")
+        chosen = policy_named(policy or self.policy)
+        candidates = self.candidates(
+            block_hashes, exclude=exclude, tree_sizes=chosen.needs_tree_sizes
+        )
         if not candidates:
             raise NoWorkerError(self._why_none(exclude))
         request = RouteRequest(
             num_tokens, self.tokens_per_block, block_hashes[-1] if block_hashes else num_tokens
         )
-        return choose(
-            policy or self.policy, request, candidates, weights or self.weights, self.state
-        )
+        return chosen(request, candidates, weights or self.weights, self.state)
 
     def _why_none(self, exclude: Iterable[str]) -> str:
         """Why no worker can take a request, in the words of a 503."""

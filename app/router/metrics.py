@@ -1,43 +1,32 @@
 """The router's Prometheus metrics (``GET /metrics``), in a registry of its own per app.
 
-Decisions and proxied requests are counted as they happen; the rest (workers per state,
-per-worker lag and in-flight figures, the consumer's counters) is read at scrape time from what
-the runtime already keeps, so routing pays nothing for it.
+Decisions and proxied requests are counted as they happen; the rest is read at scrape time from
+what the runtime already keeps, so routing pays nothing for it: the in-flight figures here, and
+the cluster's (workers per state, per-worker lag, cordons, the consumer's counters) by
+``app.cluster.metrics.ClusterMetrics``, registered beside them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-if TYPE_CHECKING:
-    from app.router.policy import Decision
-    from app.router.service import RouterRuntime
+from app.cluster.metrics import CONTENT_TYPE, ClusterMetrics
+from app.cluster.view import ClusterView
+from app.router.core import RouterCore
+from app.router.policies import Decision
 
 __all__ = ["CONTENT_TYPE", "RouterMetrics"]
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _DECISION_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2)
-_STATES = ("up", "stale", "draining", "cordoned")
-# Consumer counters exported as they are: (stats key, metric suffix, help).
-_CONSUMER_COUNTERS = (
-    ("entries", "entries", "Stream entries applied to the index"),
-    ("blocks", "blocks", "Block events applied to the index"),
-    ("resyncs", "resyncs", "Resynchronisations from a snapshot"),
-    ("malformed", "malformed", "Entries or events skipped as malformed"),
-    ("expired", "expired", "Workers dropped because their heartbeat expired"),
-    ("errors", "errors", "Redis errors while consuming"),
-    ("yields", "yields", "Times a batch was split to give the event loop back"),
-)
 
 
 class RouterMetrics(Collector):
-    def __init__(self, runtime: RouterRuntime) -> None:
-        self._runtime = runtime
+    def __init__(self, core: RouterCore, view: ClusterView) -> None:
+        self._core = core
         self.registry = CollectorRegistry(auto_describe=False)
         self.decisions = Counter(
             "kvmesh_router_decisions",
@@ -78,6 +67,13 @@ class RouterMetrics(Collector):
             registry=self.registry,
         )
         self.registry.register(self)
+        self.registry.register(
+            ClusterMetrics(
+                view,
+                states=lambda: {w: v.state for w, v in core.workers.items()},
+                routed=lambda w: v.inflight_running if (v := core.workers.get(w)) else 0,
+            )
+        )
 
     def observe_decision(self, decision: Decision, seconds: float, num_tokens: int) -> None:
         self.decisions.labels(policy=decision.policy, worker=decision.worker).inc()
@@ -93,19 +89,7 @@ class RouterMetrics(Collector):
         return generate_latest(self.registry)
 
     def collect(self) -> Iterator[Metric]:
-        runtime = self._runtime
-        states = GaugeMetricFamily(
-            "kvmesh_router_workers", "Workers the router may route to, per state", labels=["state"]
-        )
-        views = runtime.core.workers.values()
-        for state in _STATES:
-            states.add_metric([state], sum(1 for v in views if v.state == state))
-        yield states
-        lag = GaugeMetricFamily(
-            "kvmesh_router_index_lag_ms",
-            "Age of the oldest stream entry of a worker not applied yet",
-            labels=["worker"],
-        )
+        """What only the router knows: what it sent to each worker and has not seen end."""
         inflight = GaugeMetricFamily(
             "kvmesh_router_inflight_requests",
             "Requests the router sent to a worker that have not ended",
@@ -116,35 +100,8 @@ class RouterMetrics(Collector):
             "Prompt tokens the router sent to a worker that are not prefilled yet",
             labels=["worker"],
         )
-        for view in views:
-            status = runtime.status.get(view.worker)
-            lag.add_metric([view.worker], status.lag_ms if status is not None else 0.0)
+        for view in self._core.workers.values():
             inflight.add_metric([view.worker], view.inflight_running)
             queued.add_metric([view.worker], view.inflight_prefill_tokens)
-        yield lag
         yield inflight
         yield queued
-        cordons = GaugeMetricFamily(
-            "kvmesh_router_worker_cordon",
-            "1 for each worker an operator cordoned or drains (state: cordoned, draining, or "
-            "drained once nothing is left in flight there)",
-            labels=["worker", "state"],
-        )
-        for worker in sorted(runtime.cordons):
-            report = runtime.cordon_report(worker) or {}
-            state = "drained" if report.get("done") else str(report.get("state"))
-            cordons.add_metric([worker, state], 1)
-        yield cordons
-        stats = runtime.consumer.stats()
-        for key, suffix, text in _CONSUMER_COUNTERS:
-            yield CounterMetricFamily(f"kvmesh_router_consumer_{suffix}", text, value=stats[key])
-        yield GaugeMetricFamily(
-            "kvmesh_router_consumer_apply_lag_ms",
-            "Age of the last stream entry applied, when it was applied",
-            value=stats["apply_lag_ms"],
-        )
-        yield GaugeMetricFamily(
-            "kvmesh_router_index_blocks",
-            "Distinct block hashes in the index",
-            value=len(runtime.index),
-        )

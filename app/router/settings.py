@@ -15,7 +15,7 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from app.core.settings import Settings
-from app.router.policy import Weights
+from app.router.policies import Weights
 
 __all__ = ["PolicyName", "RouterSettings"]
 

@@ -40,12 +40,13 @@ from app.core.http import (
     error_responses,
     install_error_handlers,
 )
+from app.core.lifespan import runtime_of
 from app.core.middleware import BodyLimit
 from app.worker import schemas
 from app.worker.completions import completion_body, make_job
 from app.worker.engine import DrainingError, DuplicateJobError, EngineError, Job, QueueFullError
 from app.worker.metrics import CONTENT_TYPE
-from app.worker.service import WorkerRuntime
+from app.worker.runtime import WorkerRuntime
 from app.worker.settings import WorkerSettings
 from cache import (
     InvalidRetentionConfigError,
@@ -63,13 +64,7 @@ __all__ = ["install"]
 _error = error
 
 
-async def _runtime(request: Request) -> WorkerRuntime:
-    # async: a plain def dependency would run in the thread pool, a thread hop per request.
-    runtime: WorkerRuntime = request.app.state.runtime
-    return runtime
-
-
-Runtime = Annotated[WorkerRuntime, Depends(_runtime)]
+Runtime = Annotated[WorkerRuntime, Depends(runtime_of)]
 
 
 def _admin(settings: WorkerSettings) -> Any:

@@ -49,21 +49,27 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from enum import Enum
+from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 from app.worker.backend import Backend, Decode, PrefillChunk, StepBatch, StepOutput
+from app.worker.event_ring import EventRing
+from app.worker.jobs import (
+    DrainingError,
+    DuplicateJobError,
+    EngineError,
+    Job,
+    JobState,
+    QueueFullError,
+    VirtualClock,
+)
 from cache import (
     KVCacheEvent,
     KVCacheManager,
     LlmRequest,
     OutOfBlocksError,
-    RemovedData,
     RequestState,
-    StoredData,
 )
-from cache.retention import RetentionConfig
 from events.publisher import EventPublisher, manager_load
 
 __all__ = [
@@ -83,93 +89,8 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-def _num_blocks(event: KVCacheEvent) -> int:
-    data = event.data
-    if isinstance(data, StoredData):
-        return len(data.blocks) or 1
-    if isinstance(data, RemovedData):
-        return len(data.block_hashes) or 1
-    return 1
-
-
 def _ignore(*args: object) -> None:
     """The default of the engine's callbacks."""
-
-
-class EngineError(Exception):
-    """Base of the engine's refusals (mapped to HTTP statuses in ``app.worker.api``)."""
-
-
-class QueueFullError(EngineError):
-    """The waiting queue is full (429)."""
-
-
-class DrainingError(EngineError):
-    """The worker drains (shutting down, or an operator asked) and admits nothing new (503)."""
-
-
-class DuplicateJobError(EngineError):
-    """A live request already has this id (409)."""
-
-
-class JobState(Enum):
-    WAITING = "waiting"
-    PREFILL = "prefill"
-    DECODE = "decode"
-    FINISHED = "finished"
-
-
-class VirtualClock:
-    """A clock that moves only when the engine says a step took time (sim back-end)."""
-
-    def __init__(self, start: float = 0.0) -> None:
-        self.now = start
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
-
-
-@dataclass(slots=True, eq=False)
-class Job:
-    """One completion request, from submission to its last token."""
-
-    job_id: str
-    prompt: list[int]
-    max_tokens: int
-    seed: int
-    priority: int = 0
-    lora_task_id: int | None = None
-    cache_salt: str | None = None
-    cache_salt_id: int | None = None
-    retention: RetentionConfig | None = None
-
-    state: JobState = JobState.WAITING
-    request_id: int = -1  # the manager's id while admitted
-    request: LlmRequest | None = None
-    position: int = 0  # next prompt position to compute (prefill)
-    output: list[int] = field(default_factory=list)
-    cached_tokens: int = 0  # prompt tokens reused (at the first prefill, preemptions aside)
-    admitted_reused: int = 0  # tokens reused at the latest admission
-    num_preemptions: int = 0
-    finish_reason: Literal["length", "cancelled", "aborted", "error"] | None = None
-    error: str | None = None
-    cancel_requested: bool = False
-    arrival_s: float = 0.0
-    admitted_s: float | None = None
-    first_token_s: float | None = None
-    finished_s: float | None = None
-    # Set by the engine whenever output or state changes; readers clear it before reading.
-    updated: asyncio.Event = field(default_factory=asyncio.Event)
-    done: asyncio.Future[None] = field(
-        default_factory=lambda: asyncio.get_running_loop().create_future()
-    )
-
-    @property
-    def finished(self) -> bool:
-        return self.state is JobState.FINISHED
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,8 +157,7 @@ class Engine:
         self.draining = False
         self.drain_reason = "the worker is shutting down"  # said to a request refused meanwhile
         self.stats = EngineStats()
-        self.recent_events: deque[tuple[KVCacheEvent, int]] = deque()  # (event, its blocks)
-        self._ring_blocks = 0
+        self.recent_events = EventRing(config.events_ring_blocks)  # for GET /events
         self.load: dict[str, int] = {}
         self._dropped_seen = 0  # manager events dropped, as last reported to the publisher
         self._refresh_load()
@@ -391,13 +311,8 @@ class Engine:
     def events_after(
         self, since: int, limit: int
     ) -> tuple[list[KVCacheEvent], int | None, int | None]:
-        """Up to ``limit`` recent events with ids above ``since``, and the oldest and latest
-        ids the ring holds (None when empty)."""
-        ring = self.recent_events
-        if not ring:
-            return [], None, None
-        chosen = [event for event, _ in ring if event.event_id > since][:limit]
-        return chosen, ring[0][0].event_id, ring[-1][0].event_id
+        """Recent events (``EventRing.after``)."""
+        return self.recent_events.after(since, limit)
 
     # -- queue ---------------------------------------------------------------------------------
 
@@ -677,24 +592,11 @@ class Engine:
         total_dropped = self.mgr.num_dropped_events
         dropped, self._dropped_seen = total_dropped - self._dropped_seen, total_dropped
         if events:
-            self._remember(events)
+            self.recent_events.extend(events)
             self.stats.events += len(events)
         if self.publisher is not None and (events or dropped):
             self.publisher.publish(events, dropped=dropped)
         self._refresh_load()
-
-    def _remember(self, events: list[KVCacheEvent]) -> None:
-        """Keep the latest events for GET /events, up to ``events_ring_blocks`` blocks: a bound
-        in events would let a few thousand stored events hold hundreds of thousands of block
-        objects, which every full pass of the cyclic collector walks."""
-        ring = self.recent_events
-        for event in events:
-            weight = _num_blocks(event)
-            ring.append((event, weight))
-            self._ring_blocks += weight
-        limit = self.config.events_ring_blocks
-        while self._ring_blocks > limit and len(ring) > 1:
-            self._ring_blocks -= ring.popleft()[1]
 
     def _refresh_load(self) -> None:
         load = manager_load(self.mgr, num_waiting=self._num_waiting)

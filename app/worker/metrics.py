@@ -10,17 +10,15 @@ nothing for it.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from app.worker.backend import StepBatch
-
-if TYPE_CHECKING:
-    from app.worker.engine import Job
-    from app.worker.service import WorkerRuntime
+from app.worker.engine import Engine, Job
+from events.publisher import EventPublisher
 
 __all__ = ["CONTENT_TYPE", "WorkerMetrics"]
 
@@ -44,11 +42,12 @@ class WorkerMetrics(Collector):
             buckets=_TTFT_BUCKETS,
             registry=self.registry,
         )
-        self._runtime: WorkerRuntime | None = None
+        self._bound: tuple[str, Engine, EventPublisher] | None = None
         self.kv_stats: Any = None  # the manager's KvCacheStats as of the last scrape
 
-    def bind(self, runtime: WorkerRuntime) -> None:
-        self._runtime = runtime
+    def bind(self, worker_id: str, engine: Engine, publisher: EventPublisher) -> None:
+        """What the scrape reads (made after these metrics, which the engine reports to)."""
+        self._bound = (worker_id, engine, publisher)
         self.registry.register(self)
 
     def observe_step(self, seconds: float, batch: StepBatch) -> None:
@@ -62,11 +61,9 @@ class WorkerMetrics(Collector):
         return generate_latest(self.registry)
 
     def collect(self) -> Iterator[Metric]:
-        runtime = self._runtime
-        if runtime is None:
+        if self._bound is None:
             return
-        worker = runtime.settings.worker_id
-        engine = runtime.engine
+        worker, engine, publisher_ = self._bound
         load = engine.load
 
         blocks = GaugeMetricFamily(
@@ -116,7 +113,7 @@ class WorkerMetrics(Collector):
         yield CounterMetricFamily(
             "kvmesh_worker_engine_errors", "Engine steps that raised", value=stats.errors
         )
-        publisher = runtime.publisher.stats()
+        publisher = publisher_.stats()
         events = CounterMetricFamily(
             "kvmesh_worker_events", "KV events published or dropped", labels=["worker", "outcome"]
         )

@@ -11,13 +11,13 @@ from typing import Any
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_quick_bench(name: str) -> dict[str, Any]:
+def run_quick_bench(name: str, *, timeout_s: float = 300) -> dict[str, Any]:
     """The JSON object on the last line of a quick run (the run must succeed)."""
     result = subprocess.run(
         [sys.executable, "-m", "app", "bench", name, "--quick", "--json"],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=timeout_s,
         cwd=REPO_ROOT,
         check=False,
     )

@@ -9,8 +9,9 @@ from typing import Any
 
 import httpx
 
-from app.router.service import RouterRuntime, create_app
+from app.router.runtime import RouterRuntime
 from app.router.settings import RouterSettings
+from app.services import router_app
 from tests.app.worker_support import ADMIN_TOKEN
 from tests.support.asgi import asgi_client
 
@@ -30,7 +31,7 @@ def router_client(
     settings: RouterSettings,
 ) -> contextlib.AbstractAsyncContextManager[tuple[httpx.AsyncClient, RouterRuntime]]:
     """The router app inside its lifespan, spoken to through httpx's ASGITransport."""
-    return asgi_client(create_app(settings), "http://router")
+    return asgi_client(router_app(settings), "http://router")
 
 
 def index_holds(runtime: RouterRuntime, worker: str, num_blocks: int) -> Callable[[], bool]:

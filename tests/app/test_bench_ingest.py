@@ -10,7 +10,7 @@ import pytest
 from app.bench import BENCHMARKS, load_benchmark
 from app.bench.ingest import generate, run
 from app.cli import main
-from app.ingest_vllm import BlockRemoved, BlockStored, decode_batch
+from app.ingest.vllm import BlockRemoved, BlockStored, decode_batch
 
 KEYS = {
     "block_events_per_s",

@@ -201,17 +201,17 @@ def nothing_starts(monkeypatch: pytest.MonkeyPatch) -> None:
     """What each command would start, replaced: a check that let a bad setting through fails
     the test instead of starting a service."""
     import app.bench.redis_rtt
+    import app.core.serving
     import app.demo.runner
-    import app.ingest
-    import app.ingest_vllm
-    import app.router.service
-    import app.worker.service
+    import app.ingest.trtllm
+    import app.ingest.vllm
+    import app.worker.app
 
-    monkeypatch.setattr(app.worker.service, "serve", _started)
-    monkeypatch.setattr(app.router.service, "serve", _started)
+    monkeypatch.setattr(app.worker.app, "serve", _started)
+    monkeypatch.setattr(app.core.serving, "serve", _started)
     monkeypatch.setattr(app.demo.runner, "run_demo", _started)
-    monkeypatch.setattr(app.ingest, "run_trtllm_ingest", _started)
-    monkeypatch.setattr(app.ingest_vllm, "run_vllm_ingest", _started)
+    monkeypatch.setattr(app.ingest.trtllm, "run_trtllm_ingest", _started)
+    monkeypatch.setattr(app.ingest.vllm, "run_vllm_ingest", _started)
     monkeypatch.setattr(app.bench.redis_rtt, "run", _started)
 
 

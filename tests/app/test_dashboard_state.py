@@ -4,7 +4,7 @@ prefix map, all from real events on a fake clock."""
 from __future__ import annotations
 
 from app.dashboard.state import DashboardState, hex_hash
-from app.router.policy import Cost, Decision
+from app.router.policies import Cost, Decision
 from cache import (
     EventDiff,
     KVCacheEvent,

@@ -19,7 +19,7 @@ import httpx
 import redis
 
 from app.core.embedded_redis import EmbeddedRedis
-from app.router.service import RouterRuntime
+from app.router.runtime import RouterRuntime
 from events import keys
 from tests.app.router_support import router_client, router_settings
 from tests.app.worker_support import ADMIN_TOKEN, AUTH, worker_client, worker_settings
@@ -118,7 +118,7 @@ async def test_a_cordon_is_honoured_by_every_router_and_outlives_them(
         # An entry someone else wrote that does not parse is skipped, not obeyed.
         with redis.Redis.from_url(clean_redis_url) as client:
             client.hset(keys.CORDONS_KEY, "w1", b"{not json")
-        await eventually(lambda: runtime_a.num_bad_cordons == 1)
+        await eventually(lambda: runtime_a.view.num_bad_cordons == 1)
         assert (await a.post("/route", json={"prompt": PROMPT})).json()["worker"] == "w1"
         assert (await a.post("/workers/w1/uncordon", headers=AUTH)).status_code == 200
 
@@ -150,7 +150,7 @@ async def test_a_cordon_outlives_a_redis_restart(embedded_redis: EmbeddedRedis) 
     async with two_workers(url), router_client(router_settings(url)) as (router, runtime):
         await _ready(runtime)
         assert (await router.post("/workers/w0/cordon", headers=AUTH)).status_code == 200
-        since = runtime.cordons["w0"].since
+        since = runtime.view.cordons["w0"].since
         restarts = runtime.consumer.num_redis_restarts
         embedded_redis.kill()
         embedded_redis.start()

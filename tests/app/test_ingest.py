@@ -17,7 +17,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from app.cli import build_parser, main
-from app.ingest import TrtllmIngest
+from app.ingest.trtllm import TrtllmIngest
 from events import keys
 from tests.events.support import make_consumer
 from tests.support.wait import eventually
@@ -151,7 +151,7 @@ FAST: dict[str, Any] = {"heartbeat_interval_s": 0.05, "heartbeat_ttl_s": 0.5, "b
 
 def index_of(consumer: Any, worker_id: str) -> dict[int, int]:
     index = consumer.index
-    return index.worker_blocks(worker_id) if worker_id in index.workers() else {}
+    return index.worker_blocks(worker_id)
 
 
 async def test_the_worked_stream_reaches_the_index_exactly(

@@ -24,7 +24,7 @@ from redis.asyncio import Redis
 
 from app.cli import build_parser, main
 from app.core.net import free_port
-from app.ingest_vllm import (
+from app.ingest.vllm import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -410,7 +410,7 @@ FAST: dict[str, Any] = {"heartbeat_interval_s": 0.05, "heartbeat_ttl_s": 0.5, "b
 
 def index_of(consumer: Any, worker_id: str) -> dict[int, int]:
     index = consumer.index
-    return index.worker_blocks(worker_id) if worker_id in index.workers() else {}
+    return index.worker_blocks(worker_id)
 
 
 async def test_a_real_publisher_reaches_the_index_with_a_gap_replayed(

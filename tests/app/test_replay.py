@@ -29,7 +29,7 @@ from app.replay.trace import (
     load_trace,
     parse_trace,
 )
-from app.worker.backend import SimTiming
+from app.core.sim_timing import SimTiming
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 SLICE = DATA / "mooncake_conversation_200.jsonl"

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from app.core.embedded_redis import EmbeddedCluster, EmbeddedRedis
-from app.router.service import RouterRuntime
+from app.router.runtime import RouterRuntime
 from tests.app.router_support import router_client, router_settings
 from tests.app.worker_support import AUTH, worker_client, worker_settings
 from tests.support.wait import eventually
@@ -154,7 +154,7 @@ async def test_no_worker_is_a_503_with_retry_after(clean_redis_url: str) -> None
         router,
         runtime,
     ):
-        await eventually(lambda: runtime.synced_once and runtime.redis_ok)
+        await eventually(lambda: runtime.view.synced_once and runtime.view.redis_ok)
         for path, body in (
             ("/route", {"prompt": [1, 2]}),
             ("/v1/completions", {"prompt": [1, 2], "max_tokens": 1}),
@@ -269,6 +269,8 @@ async def test_without_redis_the_router_routes_on_what_it_knew_and_says_so(
 async def test_the_fast_path_answers_as_the_full_route(clean_redis_url: str) -> None:
     """A plain body takes the fast path; a query string sends the same body through FastAPI."""
     async with cluster(clean_redis_url) as (router, runtime, _):
+        seen: list[tuple[Any, ...]] = []  # every decision reaches the hooks (the dashboard's)
+        runtime.decision_hooks.append(lambda *decision: seen.append(decision))
         bodies: list[dict[str, Any]] = [
             {"prompt_token_ids": PROMPT},
             {"prompt": PROMPT[:40], "cache_salt": "s"},
@@ -280,8 +282,7 @@ async def test_the_fast_path_answers_as_the_full_route(clean_redis_url: str) -> 
             fast.pop("decision_us")
             full.pop("decision_us")
             assert fast == full
-        decisions = runtime.dashboard.decisions() or []
-        assert len(decisions) == 2 * len(bodies)
+        assert [d[1] for d in seen] == ["route"] * (2 * len(bodies))
         # Bodies the fast path leaves alone get the full route's errors.
         bad = await router.post("/route", json={"prompt_token_ids": [1, 2**32]})
         assert bad.json()["error"]["message"] == (

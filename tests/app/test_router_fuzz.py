@@ -29,9 +29,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from app.core.embedded_redis import EmbeddedRedis
-from app.router.service import RouterRuntime
-from app.router.service import create_app as router_app
-from app.worker.service import create_app as worker_app
+from app.router.runtime import RouterRuntime
+from app.services import router_app
+from app.worker.app import create_app as worker_app
 from tests.app.router_support import router_settings
 from tests.app.worker_support import ADMIN_TOKEN, AUTH, worker_settings
 from tests.support.openapi import (

@@ -7,19 +7,20 @@ import random
 
 import pytest
 
-from app.router.policy import (
+from app.router.policies import (
     POLICIES,
     Candidate,
     PolicyState,
     RouteRequest,
     Weights,
     choose,
-    dynamo,
-    kv_aware,
-    least_loaded,
-    round_robin,
-    sglang,
 )
+
+# Each policy called as the router calls it: (request, candidates, weights, state).
+kv_aware, round_robin, least_loaded = (
+    POLICIES[n] for n in ("kv_aware", "round_robin", "least_loaded")
+)
+dynamo, sglang = POLICIES["dynamo"], POLICIES["sglang"]
 
 TPB = 16
 # Queued prefill at full weight, so that the tables read as token counts.
@@ -33,7 +34,7 @@ def req(num_tokens: int, key: int = 0) -> RouteRequest:
 def cand(worker: str, **fields: int | bool) -> Candidate:
     values: dict[str, int | bool] = {"free_blocks": 1_000, "capacity_blocks": 1_000}
     values.update(fields)
-    return Candidate(worker, **values)  # type: ignore[arg-type]
+    return Candidate(worker=worker, **values)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
@@ -267,6 +268,8 @@ def test_every_policy_is_registered_and_refuses_an_empty_list() -> None:
         "round_robin",
         "sglang",
     ]
+    # The inputs beyond match and load that a policy declares (the core fills in only those).
+    assert [name for name, p in POLICIES.items() if p.needs_tree_sizes] == ["sglang"]
     for name in POLICIES:
         with pytest.raises(ValueError, match="no candidate workers"):
             choose(name, req(16), [], W, PolicyState())

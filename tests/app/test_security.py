@@ -28,8 +28,9 @@ from fastapi import FastAPI
 
 from app.core.net import free_port
 from app.core.redis import RedisCredentialsError
-from app.router.service import create_app as router_app
-from app.worker.service import create_app as worker_app
+from app.dashboard.settings import DashboardSettings
+from app.services import dashboard_app, router_app
+from app.worker.app import create_app as worker_app
 from events.redis_io import redis_client
 from tests.app.redis_secure import ROUTER_RULES, SHARED_RULES, WORKER_RULES, SecureRedis
 from tests.app.router_support import router_client, router_settings
@@ -46,7 +47,7 @@ NEED_BEARER = "admin calls need 'Authorization: Bearer <token>'"
 @contextlib.asynccontextmanager
 async def dashboard_client(redis_url: str) -> AsyncIterator[tuple[httpx.AsyncClient, FastAPI]]:
     """A standalone dashboard (``kvmesh dashboard``) in-process."""
-    app = router_app(router_settings(redis_url), routing=False)
+    app = dashboard_app(DashboardSettings.model_validate({"redis_url": redis_url}))
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://dashboard") as client:
@@ -115,7 +116,7 @@ def test_every_call_that_changes_state_needs_the_admin_token(redis_url: str) -> 
     decisions); nothing else takes a body that changes state."""
     worker = worker_app(worker_settings(redis_url))
     router = router_app(router_settings(redis_url))
-    dashboard = router_app(router_settings(redis_url), routing=False)
+    dashboard = dashboard_app(DashboardSettings.model_validate({"redis_url": redis_url}))
     assert _mutating_routes(worker) - _admin_routes(worker) == {"POST /v1/completions"}
     assert _admin_routes(worker) == {
         "POST /cache/clear",
@@ -408,8 +409,10 @@ def _redis_keys(url: str) -> dict[bytes, bytes]:
 
 @pytest.mark.parametrize("routing", [True, False], ids=["router", "standalone dashboard"])
 async def test_the_dashboard_answers_only_get(clean_redis_url: str, routing: bool) -> None:
-    settings = router_settings(clean_redis_url)
-    app = router_app(settings, routing=routing)
+    if routing:
+        app = router_app(router_settings(clean_redis_url))
+    else:
+        app = dashboard_app(DashboardSettings.model_validate({"redis_url": clean_redis_url}))
     paths = ["/dashboard", "/dashboard/state", "/dashboard/stream", "/dashboard/static/app.js"]
     paths[-1] = "/dashboard/static/dashboard.js"
     async with (
@@ -417,11 +420,11 @@ async def test_the_dashboard_answers_only_get(clean_redis_url: str, routing: boo
         app.router.lifespan_context(app),
         httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://d") as client,
     ):
-        runtime = app.state.runtime
+        view = app.state.runtime.view if routing else app.state.view
         await worker.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 1})
-        await eventually(lambda: runtime.index.stats()["per_worker"].get("w0", {}).get("blocks"))
+        await eventually(lambda: view.index.stats()["per_worker"].get("w0", {}).get("blocks"))
         keys = _redis_keys(clean_redis_url)
-        index = runtime.index.stats()
+        index = view.index.stats()
         for path in paths:
             for method in ("POST", "PUT", "DELETE", "PATCH"):
                 body = {"policy": "random"}
@@ -430,9 +433,10 @@ async def test_the_dashboard_answers_only_get(clean_redis_url: str, routing: boo
                 assert response.json()["error"]["message"] == "Method Not Allowed"
                 assert "POST" not in response.headers.get("allow", "GET")
         assert (await client.get("/dashboard/state")).status_code == 200
-        assert runtime.hub.clients == 0
-        assert runtime.core.policy == "kv_aware"
-        assert runtime.index.stats() == index
+        assert app.state.dashboard.hub.clients == 0
+        if routing:
+            assert app.state.runtime.core.policy == "kv_aware"
+        assert view.index.stats() == index
         assert _redis_keys(clean_redis_url) == keys
 
 

@@ -46,7 +46,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings, target
 from hypothesis import strategies as st
 
-from app.worker.service import WorkerRuntime
+from app.worker.runtime import WorkerRuntime
 from cache.window import WindowBlockManager
 from tests.app.worker_support import ADMIN_TOKEN, AUTH, worker_client, worker_settings
 from tests.support.openapi import (

@@ -9,8 +9,9 @@ from typing import Any
 
 import httpx
 
+from app.worker.app import create_app
 from app.worker.backend import SimBackend, prompt_seed
-from app.worker.service import WorkerRuntime, create_app
+from app.worker.runtime import WorkerRuntime
 from app.worker.settings import WorkerSettings
 from tests.support.asgi import asgi_client
 from tests.support.processes import service_process

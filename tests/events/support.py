@@ -13,10 +13,11 @@ from __future__ import annotations
 import asyncio
 import random
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 from cache import KVCacheManager, LlmRequest, OutOfBlocksError
-from events.consumer import EventConsumer
+from events.consumer import ConsumerConfig, EntryHook, EventConsumer
 from events.index import PrefixIndex
 from events.publisher import EventPublisher, PublisherConfig, manager_load, manager_registry_entry
 from events.snapshot import manager_snapshot
@@ -87,7 +88,7 @@ class Workload:
 
 def index_blocks(index: PrefixIndex, worker_id: str) -> dict[int, int]:
     """What the index holds for ``worker_id`` (hash -> tier), empty if it does not know it."""
-    return index.worker_blocks(worker_id) if worker_id in index.workers() else {}
+    return index.worker_blocks(worker_id)
 
 
 # -- publishers and consumers tuned for tests: short periods, short backoff -----------------------
@@ -100,15 +101,15 @@ FAST_PUBLISHER: dict[str, Any] = {
     "backoff_max_s": 0.1,
     "close_timeout_s": 2.0,
 }
-FAST_CONSUMER: dict[str, Any] = {
-    "block_ms": 20,
-    "registry_interval_s": 0.05,
-    "liveness_interval_s": 0.05,
-    "resync_delay_s": 0.01,
-    "resync_delay_max_s": 0.1,
-    "backoff_initial_s": 0.01,
-    "backoff_max_s": 0.1,
-}
+FAST_CONSUMER = ConsumerConfig(
+    block_ms=20,
+    registry_interval_s=0.05,
+    liveness_interval_s=0.05,
+    resync_delay_s=0.01,
+    resync_delay_max_s=0.1,
+    backoff_initial_s=0.01,
+    backoff_max_s=0.1,
+)
 
 
 def make_publisher(
@@ -125,8 +126,11 @@ def make_publisher(
     )
 
 
-def make_consumer(redis_url: str, **overrides: Any) -> EventConsumer:
-    return EventConsumer(redis_url, **{**FAST_CONSUMER, **overrides})
+def make_consumer(
+    redis_url: str, *, on_entry: EntryHook | None = None, **overrides: Any
+) -> EventConsumer:
+    """A consumer with ``FAST_CONSUMER``'s settings; ``overrides``: ``ConsumerConfig`` fields."""
+    return EventConsumer(redis_url, replace(FAST_CONSUMER, **overrides), on_entry=on_entry)
 
 
 async def drive(

@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from typing import Any
 
+import pytest
 import redis.asyncio as aioredis
 
 from cache import KVCacheEvent, StoredBlock, StoredData
 from events import keys
-from events.consumer import EventConsumer
+from events.consumer import ConsumerConfig, EventConsumer
 from events.envelope import make_envelope
 from events.snapshot import Snapshot, encode_snapshot
 from tests.events.support import Workload, assert_index_exact, drive, make_consumer, make_publisher
@@ -129,3 +131,37 @@ async def test_a_worker_caught_up_exactly_with_its_heartbeat_is_not_stale(
     assert stale is None
     assert (stats["stale_reports"], stats["stale_workers"], stats["resyncs"]) == (0, 0, 0)
     assert behind_target is None
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"block_ms": 0}, "block_ms must be positive, got 0"),
+        ({"count": -1}, "count must be positive, got -1"),
+        ({"max_entry_bytes": 0}, "max_entry_bytes must be positive"),
+        ({"backoff_initial_s": 0.0}, "backoff_initial_s must be positive"),
+        ({"registry_interval_s": -0.1}, "registry_interval_s must be >= 0"),
+        ({"liveness_interval_s": float("nan")}, "liveness_interval_s must be >= 0"),
+        ({"resync_delay_s": -1.0}, "resync_delay_s must be >= 0"),
+        ({"step_budget_s": -0.001}, "step_budget_s must be >= 0"),
+        ({"stale_after_s": -1.0}, "stale_after_s must be >= 0"),
+        ({"restart_hold_s": -1.0}, "restart_hold_s must be >= 0"),
+        ({"resync_delay_s": 2.0}, "resync_delay_max_s must be >= resync_delay_s"),
+        ({"backoff_max_s": 0.01}, "backoff_max_s must be >= backoff_initial_s"),
+    ],
+)
+def test_consumer_config_refuses_a_setting_out_of_range(
+    settings: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ConsumerConfig(**settings)
+
+
+async def test_a_consumer_without_a_config_takes_the_defaults() -> None:
+    consumer = EventConsumer("redis://127.0.0.1:1/0")
+    try:
+        assert consumer.config == ConsumerConfig()
+        assert (consumer.config.block_ms, consumer.config.step_budget_s) == (100, 0.010)
+        assert ConsumerConfig(step_budget_s=0.0).step_budget_s == 0.0  # one entry per slice
+    finally:
+        await consumer.aclose()

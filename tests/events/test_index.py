@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import events.index
+import events.index.prefix
 from cache import (
     CreatedData,
     EventDiff,
@@ -636,9 +637,9 @@ needs_numba = pytest.mark.skipif(
 def test_compiled_table_is_in_use_where_numba_is_installed() -> None:
     """With numba installed, a compiled table that fails its self-test falls back to the dict
     silently (a warning), and the comparisons above skip: this fails instead."""
-    from events._index_kernels import ArrayTable
+    from events.index.array_table import ArrayTable
 
-    assert events.index._compiled_table_works()
+    assert events.index.prefix._compiled_table_works()
     index = PrefixIndex()
     assert index.compiled
     assert isinstance(index._table, ArrayTable)
@@ -767,8 +768,8 @@ def test_a_broken_compiled_table_falls_back_to_the_dict(monkeypatch: pytest.Monk
     def broken() -> None:
         raise RuntimeError("no LLVM here")
 
-    monkeypatch.setattr(events.index, "_self_test", broken)
-    events.index._compiled_table_works.cache_clear()
+    monkeypatch.setattr(events.index.prefix, "_self_test", broken)
+    events.index.prefix._compiled_table_works.cache_clear()
     try:
         index = three_workers()
         assert not index.compiled
@@ -776,4 +777,12 @@ def test_a_broken_compiled_table_falls_back_to_the_dict(monkeypatch: pytest.Monk
         with pytest.raises(RuntimeError, match="needs numba"):
             PrefixIndex(compiled=True)
     finally:
-        events.index._compiled_table_works.cache_clear()
+        events.index.prefix._compiled_table_works.cache_clear()
+
+
+def test_an_unknown_worker_holds_nothing() -> None:
+    """What the index does not know holds no block and rebuilds from no event (callers need
+    not check ``workers()`` first)."""
+    index = PrefixIndex()
+    assert (index.worker_blocks("nobody"), index.dump_events("nobody")) == ({}, [])
+    assert index.workers() == []  # asking made no entry

@@ -71,7 +71,7 @@ async def test_start_writes_snapshot_registry_heartbeat_and_load(clean_redis_url
             }
             assert await client.get(keys.alive_key("w0")) == f"{publisher.epoch} -1".encode()
             assert 0 < await client.pttl(keys.alive_key("w0")) <= 1000
-            await publisher._load_once()
+            await publisher._heartbeat.write_load()
             load = await client.hgetall(keys.load_key("w0"))
             free = workload.mgr.get_num_free_blocks()
             assert load == {

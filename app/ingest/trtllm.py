@@ -8,9 +8,10 @@ consume a real TensorRT-LLM worker exactly like one of ours. A non-empty answer 
 the next poll at once; an empty one by ``poll_interval_s`` (the server itself waits up to 2 s for
 events before answering).
 
-Per stream it keeps a ``PrefixIndex`` of what the worker holds, fed with the same events: it is
-the snapshot source (``dump_events``) when consumers need one -- after events were lost, at
-start, on request. Its answers are exact as long as no event was lost upstream.
+Each stream is a ``Republisher`` (``app.ingest.stream``): its publisher, and a ``PrefixIndex`` of
+what the worker holds, fed with the same events, whose dump is the snapshot when consumers need
+one -- after events were lost, at start, on request. Its answers are exact as long as no event
+was lost upstream.
 
 Event ids tell what happened upstream:
 
@@ -25,6 +26,12 @@ each rank gets its own stream, under the worker id ``<worker-id>-dp<rank>``.
 
 The registry entry carries ``url`` (the TensorRT-LLM server), ``device: "trtllm"``,
 ``tokens_per_block`` (when given) and the capacity per level from the ``created`` events.
+
+Errors (of ingest's one tree, ``app.ingest.errors``)::
+
+    IngestError
+    └── TrtllmIngestError   (also a RuntimeError) the endpoint answered something that is not a
+                            list of events; ``run`` logs it and polls again after a back-off
 """
 
 from __future__ import annotations
@@ -33,18 +40,18 @@ import asyncio
 import contextlib
 import logging
 import random
-from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 from redis.asyncio import Redis
 
+from app.ingest.errors import TrtllmIngestError
+from app.ingest.settings import TrtllmIngestSettings
+from app.ingest.stream import Republisher, rank_worker_id, registry_entry
 from cache import CreatedData, KVCacheEvent
 from events import keys
-from events.index import PrefixIndex
 from events.publisher import EventPublisher, PublisherConfig
 from events.redis_io import client_for
-from events.snapshot import Snapshot
 
 __all__ = ["TrtllmIngest", "TrtllmIngestError", "run_trtllm_ingest"]
 
@@ -53,25 +60,26 @@ logger = logging.getLogger(__name__)
 EVENTS_PATH = "/kv_cache_events"
 
 
-class TrtllmIngestError(RuntimeError):
-    """The TensorRT-LLM endpoint answered something that is not a list of events."""
+class _Stream(Republisher):
+    """One id sequence (a worker, or one attention-DP rank of it) republished as a worker. Its
+    events keep their TensorRT-LLM ids, so the snapshot covers up to the last id seen."""
 
+    __slots__ = ("capacity", "last_id")
 
-@dataclass(slots=True)
-class _Stream:
-    """One id sequence (a worker, or one attention-DP rank of it) and its publisher."""
+    def __init__(
+        self, redis: Redis, worker_id: str, config: PublisherConfig, entry: dict[str, Any]
+    ) -> None:
+        super().__init__(redis, worker_id, config, entry)
+        self.last_id = -1
+        self.capacity: dict[int, list[int]] = {}  # window -> blocks per level
 
-    worker_id: str
-    publisher: EventPublisher
-    index: PrefixIndex = field(default_factory=PrefixIndex)
-    last_id: int = -1
-    capacity: dict[int, list[int]] = field(default_factory=dict)  # window -> blocks per level
+    def last_event_id(self) -> int:
+        return self.last_id
 
-    def snapshot(self) -> Snapshot:
-        events = (
-            self.index.dump_events(self.worker_id) if self.worker_id in self.index.workers() else []
-        )
-        return Snapshot(events, self.last_id)
+    def restart(self) -> None:
+        self.last_id = -1
+        self.capacity.clear()
+        super().restart()
 
 
 class TrtllmIngest:
@@ -129,27 +137,13 @@ class TrtllmIngest:
         stream = self._streams.get(rank)
         if stream is not None:
             return stream
-        worker_id = self.worker_id if rank is None else f"{self.worker_id}-dp{rank}"
-        entry: dict[str, Any] = {
-            "url": self.url,
-            "device": "trtllm",
-            "tokens_per_block": self.tokens_per_block,
-            "source": "trtllm",
-        }
+        entry = registry_entry("trtllm", self.url, self.tokens_per_block)
         if rank is not None:
             entry["attention_dp_rank"] = rank
-        holder: list[_Stream] = []
-        publisher = EventPublisher(
-            self._redis,
-            worker_id,
-            self._publisher_config,
-            snapshot_source=lambda: holder[0].snapshot(),
-            registry_entry=entry,
-        )
-        stream = _Stream(worker_id, publisher)
-        holder.append(stream)
+        worker_id = rank_worker_id(self.worker_id, rank)
+        stream = _Stream(self._redis, worker_id, self._publisher_config, entry)
         self._streams[rank] = stream
-        await publisher.start()
+        await stream.publisher.start()
         return stream
 
     def publishers(self) -> dict[str, EventPublisher]:
@@ -160,8 +154,7 @@ class TrtllmIngest:
         target = worker_id or self.worker_id
         for stream in self._streams.values():
             if stream.worker_id == target:
-                index = stream.index
-                return index.worker_blocks(target) if target in index.workers() else {}
+                return stream.local_blocks()
         raise KeyError(target)
 
     def stats(self) -> dict[str, Any]:
@@ -273,10 +266,7 @@ class TrtllmIngest:
     def _restart(self, stream: _Stream) -> None:
         self.num_restarts += 1
         logger.info("ingest %s: the engine restarted (event ids start again)", stream.worker_id)
-        stream.index = PrefixIndex()
-        stream.last_id = -1
-        stream.capacity.clear()
-        stream.publisher.new_epoch()
+        stream.restart()
 
     def _update_capacity(self, stream: _Stream) -> None:
         levels = max(len(c) for c in stream.capacity.values())
@@ -305,26 +295,18 @@ class TrtllmIngest:
                 await asyncio.sleep(self.poll_interval_s)
 
 
-async def run_trtllm_ingest(
-    url: str,
-    worker_id: str,
-    redis_url: str,
-    *,
-    tokens_per_block: int | None = None,
-    poll_interval_s: float = 0.05,
-    max_polls: int | None = None,
-) -> dict[str, Any]:
+async def run_trtllm_ingest(settings: TrtllmIngestSettings) -> dict[str, Any]:
     """What ``kvmesh ingest trtllm`` runs; returns the ingester's stats when it stops."""
     ingest = TrtllmIngest(
-        url,
-        worker_id,
-        redis_url,
-        tokens_per_block=tokens_per_block,
-        poll_interval_s=poll_interval_s,
+        settings.url,
+        settings.worker_id,
+        settings.redis_url,
+        tokens_per_block=settings.tokens_per_block,
+        poll_interval_s=settings.poll_interval_s,
     )
     async with ingest:
         with contextlib.suppress(asyncio.CancelledError):
-            await ingest.run(max_polls=max_polls)
+            await ingest.run(max_polls=settings.max_polls)
         for publisher in ingest.publishers().values():
             await publisher.flush(10)
         return ingest.stats()

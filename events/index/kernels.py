@@ -1,7 +1,8 @@
-"""The prefix index's compiled table: an open-addressing table of uint64 block hashes.
+"""The compiled kernels of the prefix index's `ArrayTable` (numba), and the layout they share.
 
-`ArrayTable` keeps what `events.index._DictTable` keeps (the pure-Python table, the source of
-truth; tests check that both give the same answers) in one numpy array probed by numba kernels:
+`events.index.array_table.ArrayTable` keeps what `events.index.tables.DictTable` keeps (the
+pure-Python table, the source of truth; tests check that both give the same answers) in one
+numpy array probed by these kernels:
 
 ``rows``, uint64, shape ``(capacity, 3 + W)``, capacity a power of two; one row per block hash
 that at least one worker holds:
@@ -23,28 +24,49 @@ whole event or request back to back instead of one dict probe per Python step.
 ``meta`` (int64): rows in use, the next sequence number, log2 capacity, the fill limit.
 Counts per worker slot (blocks held, of which on the host tier) live in ``counts``.
 
-Importing this module raises ImportError when numba is missing or ``KVMESH_NO_NUMBA`` is set;
-the index then uses the pure-Python table.
+The entry points (``store``, ``remove``, ``update``, ``clear``, ``rehash``, ``match``,
+``blocks_of``, ``row_of``) are called by `ArrayTable` only; the helpers they inline start with
+an underscore. Importing this module raises ImportError when numba is missing or
+``KVMESH_NO_NUMBA`` is set; the index then uses the pure-Python table.
 """
 
 from __future__ import annotations
 
 import os
-from array import array
-from collections.abc import Sequence
-from typing import Any, Final
+from typing import Final
 
 import numpy as np
-import numpy.typing as npt
 
 if os.environ.get("KVMESH_NO_NUMBA"):
     raise ImportError("KVMESH_NO_NUMBA is set")
 
 import numba
 
-__all__ = ["ArrayTable"]
-
-U64Array = npt.NDArray[np.uint64]
+__all__ = [
+    "BAD_LEVEL",
+    "BITS",
+    "DUPLICATE",
+    "FULL",
+    "INITIAL_LOG2",
+    "KEY",
+    "LIMIT",
+    "LINK",
+    "LOG2",
+    "NEXT_SEQ",
+    "OK",
+    "OWN_ANCESTOR",
+    "SEQ",
+    "TOUCHED",
+    "USED",
+    "blocks_of",
+    "clear",
+    "match",
+    "rehash",
+    "remove",
+    "row_of",
+    "store",
+    "update",
+]
 
 KEY: Final = 0
 LINK: Final = 1
@@ -56,7 +78,7 @@ LOG2: Final = 2
 LIMIT: Final = 3
 TOUCHED: Final = 4  # a sink for the prefetching loads, so that they are not optimised away
 
-_INITIAL_LOG2: Final = 8
+INITIAL_LOG2: Final = 8
 OK: Final = 0
 DUPLICATE: Final = -1
 OWN_ANCESTOR: Final = -2
@@ -154,7 +176,7 @@ def _has_duplicate(links, first):  # type: ignore[no-untyped-def]
 
 
 @numba.njit(cache=True, nogil=True)
-def _store(rows, meta, counts, links, levels, slot, root):  # type: ignore[no-untyped-def]
+def store(rows, meta, counts, links, levels, slot, root):  # type: ignore[no-untyped-def]
     """Worker `slot` stores the chain ``links[1:]`` below ``links[0]`` (or at the root).
 
     `levels` holds each block's tier, or is empty when all are on the GPU. Returns OK, or an
@@ -218,7 +240,7 @@ def _store(rows, meta, counts, links, levels, slot, root):  # type: ignore[no-un
 
 
 @numba.njit(cache=True, nogil=True)
-def _remove(rows, meta, counts, hashes, slot):  # type: ignore[no-untyped-def]
+def remove(rows, meta, counts, hashes, slot):  # type: ignore[no-untyped-def]
     """Worker `slot` drops `hashes`; a row no worker holds any more leaves. Returns how many
     of them it did not hold."""
     mask = rows.shape[0] - 1
@@ -242,7 +264,7 @@ def _remove(rows, meta, counts, hashes, slot):  # type: ignore[no-untyped-def]
 
 
 @numba.njit(cache=True, nogil=True)
-def _update(rows, meta, counts, hashes, slot, level):  # type: ignore[no-untyped-def]
+def update(rows, meta, counts, hashes, slot, level):  # type: ignore[no-untyped-def]
     """Worker `slot`'s block ``hashes[0]`` moves to tier `level` (-1: stays). Returns False if
     the worker does not hold it."""
     i = _find(rows, hashes[0], _shift_of(meta), rows.shape[0] - 1)
@@ -261,7 +283,7 @@ def _update(rows, meta, counts, hashes, slot, level):  # type: ignore[no-untyped
 
 
 @numba.njit(cache=True, nogil=True)
-def _clear(rows, counts, slot):  # type: ignore[no-untyped-def]
+def clear(rows, counts, slot):  # type: ignore[no-untyped-def]
     """Worker `slot` holds nothing; rows left with no worker are marked empty (SEQ 0). Returns
     how many: the caller rehashes, since those marks cut probe chains."""
     col = BITS + (slot >> 5)
@@ -280,7 +302,7 @@ def _clear(rows, counts, slot):  # type: ignore[no-untyped-def]
 
 
 @numba.njit(cache=True, nogil=True)
-def _rehash(rows, meta, log2, width):  # type: ignore[no-untyped-def]
+def rehash(rows, meta, log2, width):  # type: ignore[no-untyped-def]
     """A table of ``2**log2`` rows and `width` columns holding the live rows of `rows`."""
     cap = 1 << log2
     out = np.zeros((cap, width), dtype=np.uint64)
@@ -316,7 +338,7 @@ def _emit(out, k, dropped, base, depth):  # type: ignore[no-untyped-def]
 
 
 @numba.njit(cache=True, nogil=True)
-def _match(rows, meta, hashes, alive0, out, tiers, monotone):  # type: ignore[no-untyped-def]
+def match(rows, meta, hashes, alive0, out, tiers, monotone):  # type: ignore[no-untyped-def]
     """Per worker slot in `alive0` (presence words), the number of leading `hashes` it holds.
 
     Writes ``out[0, :k]`` slots and ``out[1, :k]`` depths, in the order the pure-Python walk
@@ -397,7 +419,7 @@ def _match(rows, meta, hashes, alive0, out, tiers, monotone):  # type: ignore[no
 
 
 @numba.njit(cache=True, nogil=True)
-def _blocks_of(rows, slot):  # type: ignore[no-untyped-def]
+def blocks_of(rows, slot):  # type: ignore[no-untyped-def]
     """Worker `slot`'s hashes, tiers and links, in order of entry."""
     col = BITS + (slot >> 5)
     bit = _U1 << np.uint64(slot & 31)
@@ -423,185 +445,5 @@ def _blocks_of(rows, slot):  # type: ignore[no-untyped-def]
 
 
 @numba.njit(cache=True, nogil=True)
-def _row_of(rows, meta, hashes):  # type: ignore[no-untyped-def]
+def row_of(rows, meta, hashes):  # type: ignore[no-untyped-def]
     return _find(rows, hashes[0], _shift_of(meta), rows.shape[0] - 1)
-
-
-_NO_LEVELS: Final = np.zeros(0, dtype=np.uint8)
-_NO_LEVELS.flags.writeable = False  # the type of the levels made from bytes: one compilation
-
-
-_U64_DTYPE: Final = np.dtype(np.uint64)
-_U64_CODE: Final = "L" if array("L").itemsize == 8 else "Q"  # see events.index._U64_CODE
-_U8_DTYPE: Final = np.dtype(np.uint8)
-
-
-def _u64(values: Sequence[int]) -> U64Array:
-    return np.frombuffer(array(_U64_CODE, values), _U64_DTYPE)
-
-
-class ArrayTable:
-    """The compiled table; its methods mirror `events.index._DictTable`'s."""
-
-    __slots__ = ("_alive", "_counts", "_meta", "_out", "_rows")
-
-    def __init__(self) -> None:
-        self._meta = np.zeros(5, dtype=np.int64)
-        self._meta[NEXT_SEQ] = 1
-        self._rows = _rehash(
-            np.zeros((0, BITS + 1), np.uint64), self._meta, _INITIAL_LOG2, BITS + 1
-        )
-        self._alive = np.zeros(1, dtype=np.uint64)  # presence bits of the registered slots
-        self._counts = np.zeros((32, 2), dtype=np.int64)  # per slot: blocks, host blocks
-        self._out = np.zeros((3, 32), dtype=np.int64)  # match results (single-threaded)
-
-    def ensure_slot(self, slot: int) -> None:
-        """Make room for worker `slot` (a word of bits per 32 slots)."""
-        width = (slot >> 5) + 1
-        if width <= self._alive.shape[0]:
-            return
-        rows = self._rows
-        extra = np.zeros((rows.shape[0], width - self._alive.shape[0]), dtype=np.uint64)
-        self._rows = np.ascontiguousarray(np.hstack((rows, extra)))
-        self._alive = np.concatenate(
-            (self._alive, np.zeros(width - self._alive.shape[0], np.uint64))
-        )
-        self._counts = np.vstack(
-            (self._counts, np.zeros((32 * width - len(self._counts), 2), np.int64))
-        )
-        self._out = np.zeros((3, 32 * width), dtype=np.int64)
-
-    def set_alive(self, slot: int, alive: bool) -> None:
-        bit = np.uint64(1 << (slot & 31))
-        if alive:
-            self._alive[slot >> 5] |= bit
-        else:
-            self._alive[slot >> 5] &= ~bit
-
-    def store(self, slot: int, links: array[int], levels: bytes | None, root: bool) -> int:
-        """`links`: the parent (anything at the root), then the chain's hashes."""
-        arr = np.frombuffer(links, _U64_DTYPE)
-        lv = _NO_LEVELS if levels is None else np.frombuffer(levels, _U8_DTYPE)
-        code: int = _store(self._rows, self._meta, self._counts, arr, lv, slot, root)
-        while code == FULL:
-            self._grow(len(links))
-            code = _store(self._rows, self._meta, self._counts, arr, lv, slot, root)
-        return code
-
-    def _grow(self, n: int) -> None:
-        meta = self._meta
-        log2 = int(meta[LOG2])
-        while (1 << log2) - (1 << log2 >> 2) < int(meta[USED]) + n:
-            log2 += 1
-        self._rows = _rehash(self._rows, meta, log2, self._rows.shape[1])
-
-    def remove(self, slot: int, hashes: array[int]) -> int:
-        """Drop worker `slot`'s `hashes`; how many it did not hold."""
-        unknown: int = _remove(
-            self._rows, self._meta, self._counts, np.frombuffer(hashes, _U64_DTYPE), slot
-        )
-        return unknown
-
-    def update(self, slot: int, block_hash: int, level: int) -> bool:
-        held: bool = _update(self._rows, self._meta, self._counts, _u64((block_hash,)), slot, level)
-        return held
-
-    def clear(self, slot: int) -> None:
-        if _clear(self._rows, self._counts, slot):
-            self._rows = _rehash(self._rows, self._meta, int(self._meta[LOG2]), self._rows.shape[1])
-
-    def match(
-        self, block_hashes: Sequence[int] | U64Array, tiers: bool, monotone: bool
-    ) -> tuple[list[int], list[int], list[int]]:
-        """(slots, depths, host blocks among the leading ones if `tiers`), workers in the
-        order they drop out."""
-        if isinstance(block_hashes, np.ndarray) and block_hashes.dtype == np.uint64:
-            arr = block_hashes
-        else:
-            arr = _hash_array(block_hashes)
-        out = self._out
-        k = _match(self._rows, self._meta, arr, self._alive, out, tiers, monotone)
-        if not k:
-            return [], [], []
-        host: list[int] = out[2, :k].tolist() if tiers else []
-        return out[0, :k].tolist(), out[1, :k].tolist(), host
-
-    def blocks_of(self, slot: int) -> dict[int, int]:
-        keys, on_host, _ = _blocks_of(self._rows, slot)
-        return dict(zip(keys.tolist(), on_host.tolist(), strict=True))
-
-    def parents_of(self, slot: int) -> dict[int, int | None]:
-        keys, _, links = _blocks_of(self._rows, slot)
-        return {
-            h: None if link == h else link
-            for h, link in zip(keys.tolist(), links.tolist(), strict=True)
-        }
-
-    def parent_of(self, block_hash: int) -> int | None:
-        i = -1
-        if type(block_hash) is int and 0 <= block_hash < 1 << 64:
-            i = _row_of(self._rows, self._meta, _u64((block_hash,)))
-        if i < 0:
-            raise KeyError(block_hash)
-        link = int(self._rows[i, LINK])
-        return None if link == block_hash else link
-
-    def count(self, slot: int) -> tuple[int, int]:
-        blocks, host = self._counts[slot].tolist()
-        return blocks, host
-
-    def __len__(self) -> int:
-        return int(self._meta[USED])
-
-    def approx_bytes(self) -> int:
-        return int(self._rows.nbytes + self._counts.nbytes + self._out.nbytes)
-
-
-def _hash_array(block_hashes: Sequence[int] | npt.NDArray[Any]) -> U64Array:
-    """A request's hashes as uint64; a hash that cannot be one ends the request there (no
-    worker holds it, so a match stops at it anyway)."""
-    try:
-        return _u64(block_hashes)  # type: ignore[arg-type]
-    except (TypeError, OverflowError):
-        pass
-    good = array(_U64_CODE)
-    for h in block_hashes:
-        try:
-            good.append(h)
-        except (TypeError, OverflowError):
-            break
-    return np.frombuffer(good, dtype=np.uint64) if good else np.zeros(0, np.uint64)
-
-
-def self_test() -> None:
-    """Run every kernel once on a small table (numba compiles them, or loads them from its
-    cache) and check the answers; raises if numba cannot, so the index can fall back."""
-    table = ArrayTable()
-    table.ensure_slot(33)
-    table.set_alive(0, True)
-    table.set_alive(33, True)
-    if table.store(0, array(_U64_CODE, [0, 11, 12, 13]), None, True):
-        raise RuntimeError("store refused a good chain")
-    table.store(33, array(_U64_CODE, [0, 11, 12, 13]), bytes([0, 1, 0]), True)
-    table.update(0, 12, 1)
-    table.remove(0, array(_U64_CODE, [13, 99]))
-    table._grow(1_000)
-    found = (
-        table.match([11, 12, 13], True, False),
-        table.match(np.array([11, 12, 13], np.uint64), False, True),
-        table.blocks_of(33),
-        table.parent_of(11),
-        table.parent_of(12),
-        table.parents_of(33),
-    )
-    expected: tuple[object, ...] = (
-        ([0, 33], [2, 3], [1, 1]),
-        ([0, 33], [2, 3], []),
-        {11: 0, 12: 1, 13: 0},
-        None,
-        11,
-        {11: None, 12: 11, 13: 12},
-    )
-    table.clear(33)
-    if found != expected or table.count(33) != (0, 0) or len(table) != 2:
-        raise RuntimeError(f"the compiled prefix index answers {found}, not {expected}")

@@ -1,4 +1,4 @@
-"""The worker process: ``WorkerRuntime`` (everything one worker owns), ``create_app`` and ``serve``.
+"""``WorkerRuntime``: everything one worker process owns, and its lifecycle. No FastAPI here.
 
 ``WorkerRuntime.start(settings)`` builds, in order: the embedded Redis when no URL is given
 (else it checks that Redis takes the URL's credentials: ``app.core.redis``), the
@@ -6,13 +6,8 @@
 ``EventPublisher`` (whose start writes the first snapshot, the registry entry and the
 heartbeat); then it starts the engine task. ``aclose`` stops admitting, stops the engine,
 flushes the events and unregisters (the publisher's ``aclose``), and stops the embedded Redis.
-
-``create_app(settings)`` is the FastAPI application; its lifespan owns a runtime, so nothing is
-created at import time and tests run the whole worker in-process through httpx's
-``ASGITransport``. ``serve(settings)`` runs it under uvicorn (uvloop, httptools) and handles
-SIGTERM and SIGINT itself: stop admitting (503 with Retry-After), give in-flight requests
-``drain_timeout_s``, abort the rest, flush the events, then let uvicorn exit. A second signal
-exits at once.
+An operator's drain (``admin_drain``) stops admitting without stopping; ``admin_resume`` undoes
+it. ``app.worker.app`` serves a runtime over HTTP.
 """
 
 from __future__ import annotations
@@ -21,21 +16,16 @@ import asyncio
 import contextlib
 import gc
 import logging
-import signal
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from types import FrameType
 from typing import Any
 
-import uvicorn
-from fastapi import FastAPI
 from redis.asyncio import Redis
 
 from app.core.embedded_redis import EmbeddedRedis
-from app.core.http import uvicorn_config
 from app.core.redis import RedisCredentialsError, check_credentials
-from app.worker.backend import Backend, SimBackend, SimTiming
+from app.core.sim_timing import SimTiming
+from app.worker.backend import Backend, SimBackend
 from app.worker.engine import Engine, EngineConfig, Job, VirtualClock
 from app.worker.metrics import WorkerMetrics
 from app.worker.settings import WorkerSettings
@@ -44,7 +34,7 @@ from events.publisher import EventPublisher, PublisherConfig, manager_registry_e
 from events.redis_io import redacted_url, redis_client
 from events.snapshot import manager_snapshot
 
-__all__ = ["WorkerRuntime", "build_manager", "create_app", "serve"]
+__all__ = ["WorkerRuntime", "build_backend", "build_manager"]
 
 logger = logging.getLogger(__name__)
 
@@ -191,7 +181,7 @@ class WorkerRuntime:
             redis,
             embedded,
         )
-        metrics.bind(runtime)
+        metrics.bind(settings.worker_id, engine, publisher)
         await publisher.start()
         # Everything built so far lives as long as the process (every block of the pool, its
         # key and links): keep the cyclic collector from scanning it again on every full pass.
@@ -318,64 +308,3 @@ class WorkerRuntime:
 
     def job_for(self, job_id: str) -> Job | None:
         return self.engine.jobs.get(job_id)
-
-
-def create_app(settings: WorkerSettings) -> FastAPI:
-    from app.worker.api import install
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
-        runtime = await WorkerRuntime.start(settings)
-        app.state.runtime = runtime
-        try:
-            yield {"runtime": runtime}
-        finally:
-            await runtime.aclose()
-
-    app = FastAPI(
-        title=f"kvmesh worker {settings.worker_id}",
-        summary="One GPU's KV cache: OpenAI-compatible completions and the admin API",
-        lifespan=lifespan,
-    )
-    install(app, settings)
-    return app
-
-
-class _Server(uvicorn.Server):
-    """uvicorn, with SIGTERM/SIGINT turned into a drain before the exit."""
-
-    def __init__(self, config: uvicorn.Config, app: FastAPI) -> None:
-        super().__init__(config)
-        self._app = app
-        self._draining: asyncio.Task[None] | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-
-    async def serve(self, sockets: Any = None) -> None:
-        self._loop = asyncio.get_running_loop()
-        await super().serve(sockets)
-
-    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        runtime: WorkerRuntime | None = getattr(self._app.state, "runtime", None)
-        if self._draining is not None or runtime is None or self._loop is None:
-            super().handle_exit(sig, frame)  # a second signal, or not started: exit now
-            if self._draining is not None:
-                self.force_exit = True
-            return
-        logger.info("worker %s: %s received", runtime.settings.worker_id, signal.Signals(sig).name)
-        self._loop.call_soon_threadsafe(self._start_drain, runtime)
-
-    def _start_drain(self, runtime: WorkerRuntime) -> None:
-        async def drain_then_exit() -> None:
-            try:
-                await runtime.drain()
-            finally:
-                self.should_exit = True
-
-        self._draining = asyncio.create_task(drain_then_exit(), name="kvmesh-drain")
-
-
-def serve(settings: WorkerSettings) -> None:
-    """Run the worker until SIGTERM/SIGINT (blocking)."""
-    app = create_app(settings)
-    config = uvicorn_config(app, settings.host, settings.port, settings.log_level)
-    _Server(config, app).run()
