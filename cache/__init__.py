@@ -1,6 +1,9 @@
 """kvmesh's per-worker KV cache block manager: a Python port of TensorRT-LLM's kvCacheManager.cpp.
 
-Pure and synchronous; torch only in `cache.pools`. See DESIGN.md section 1 for the public API.
+That C++ file is *the seed*, the specification this package follows: its names in snake_case,
+its behaviour, its events (docs/architecture.md says what is ported and how; "as in the seed"
+in a comment means as kvCacheManager.cpp does it). Pure and synchronous; torch only in
+`cache.pools`. The public API is `__all__` below (tests/test_public_api.py pins it).
 `CACHE_IMPL` says whether the hot modules run compiled by mypyc or as Python (`cache._native`).
 """
 
@@ -39,9 +42,10 @@ from cache.hashing import (
     block_key_hash,
     cache_salt_id,
 )
-from cache.manager import CacheType, KVCacheManager, KvCacheStats, WindowCapacity
+from cache.manager import CacheType, KVCacheManager
 from cache.request import LlmRequest, RequestState
 from cache.retention import RetentionConfig, TokenRangeRetention, TransferMode
+from cache.stats import KvCacheStats, WindowCapacity
 
 
 class CacheLevel:

@@ -31,9 +31,10 @@ from types import ModuleType
 
 PACKAGE = "cache"
 # The hot paths of an allocation and a release, and what they read: KVCacheBlock (block.py) and
-# BlockKey (key.py) are native classes for them all. manager.py is left out: tests replace
-# methods of its instances.
-MODULES = ("key", "block", "eviction", "radix", "dryrun", "request", "window")
+# BlockKey (key.py) are native classes for them all; store.py stores every finished request.
+# Left out: manager.py (tests replace methods of its instances) and the modules off the hot path
+# (pins, admin, precheck, stats, capacity, events, hashing, pools, ...).
+MODULES = ("key", "block", "eviction", "radix", "dryrun", "request", "store", "window")
 SHARED_LIB = "native__mypyc"
 DIGEST_FILE = "native.digest"
 PURE_ENV = "KVMESH_PURE"

@@ -8,15 +8,15 @@ carries three sets of links:
   in the tree) and `next_blocks` (children by chained hash);
 * intrusive free-queue links (`q_prev`, `q_next`, `q_level`, `q_priority`) owned by the eviction
   policy, so that claiming a block from the middle of a queue is O(1) and allocates nothing.
+
+Also `stored_rows`, a Stored event's rows read off its blocks (compiled with the block).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from operator import attrgetter
 
 from cache.hashing import BlockHash, BlockKey
-from cache.key import COMPILED  # stands for this module too: the build is all or nothing
 from cache.retention import DEFAULT_PRIORITY
 
 ROOT_BLOCK_ID = -1
@@ -136,47 +136,23 @@ StoredBlockRow = tuple[
     int | None,
 ]
 
-_hash = attrgetter("hash")
-_tokens = attrgetter("key.tokens")
-_extra_ids = attrgetter("key.extra_ids")
-_is_primary = attrgetter("is_primary")
-_priority = attrgetter("priority")
-_extra_keys = attrgetter("key.extra_keys")
-_cache_salt = attrgetter("cache_salt")
-_lora_task_id = attrgetter("key.lora_task_id")
-_CACHE_LEVEL = {True: 0, False: 1}  # is_primary -> the cache level events report
-
 
 def stored_rows(blocks: Sequence[KVCacheBlock]) -> list[StoredBlockRow]:
-    """The rows of a Stored event for `blocks` (here, so that it is compiled with the block)."""
-    if COMPILED:  # native attribute reads in a C loop
-        rows: list[StoredBlockRow] = []
-        for block in blocks:
-            key = block.key
-            rows.append(
-                (
-                    block.hash,
-                    key.tokens,
-                    key.extra_ids,
-                    0 if block.is_primary else 1,
-                    block.priority,
-                    key.extra_keys,
-                    block.cache_salt,
-                    key.lora_task_id,
-                )
+    """The rows of a Stored event for `blocks` (here, so that it is compiled with the block:
+    native attribute reads in a C loop; the sources run the same loop, slower)."""
+    rows: list[StoredBlockRow] = []
+    for block in blocks:
+        key = block.key
+        rows.append(
+            (
+                block.hash,
+                key.tokens,
+                key.extra_ids,
+                0 if block.is_primary else 1,
+                block.priority,
+                key.extra_keys,
+                block.cache_salt,
+                key.lora_task_id,
             )
-        return rows
-    # Pure Python: one column per field, each read in a C loop, zipped into rows.
-    return list(
-        zip(
-            map(_hash, blocks),
-            map(_tokens, blocks),
-            map(_extra_ids, blocks),
-            map(_CACHE_LEVEL.__getitem__, map(_is_primary, blocks)),
-            map(_priority, blocks),
-            map(_extra_keys, blocks),
-            map(_cache_salt, blocks),
-            map(_lora_task_id, blocks),
-            strict=True,
         )
-    )
+    return rows

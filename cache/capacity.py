@@ -1,8 +1,10 @@
 """Capacity arithmetic: how many blocks a sequence needs and how many a memory budget buys.
 
 Closed forms ported from the seed's static KVCacheManager helpers (calculateMaxBlockRequirements*,
-calculateMaxAttentionWindow, calculateWindowSizeToShare, calculateMaxNumBlocks). Pure functions,
-positional arguments in the seed's order.
+calculateMaxAttentionWindow, calculateWindowSizeToShare, calculateMaxNumBlocks,
+groupLayersByWindowSize), positional arguments in the seed's order; and the scheduler's two
+questions about a live request (getNeededBlocksOneStep, getRemainingBlocksToCompletion), which
+`KVCacheManager` answers with them. Pure functions.
 """
 
 from __future__ import annotations
@@ -12,6 +14,9 @@ import os
 import warnings
 from collections.abc import Mapping, Sequence
 
+from cache.errors import UnknownRequestError
+from cache.request import GenerationRequest, LlmRequest, RequestState
+
 SWA_EXTRA_BLOCK = 1
 WINDOW_SIZE_SHARES_ENV = "KVMESH_WINDOW_SIZE_SHARES"
 DEFAULT_GPU_MEMORY_FRACTION = 0.9
@@ -19,6 +24,16 @@ DEFAULT_GPU_MEMORY_FRACTION = 0.9
 
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def group_layers_by_window_size(
+    max_attention_window: Sequence[int], num_layers: int
+) -> dict[int, list[int]]:
+    """groupLayersByWindowSize: windows cycle over the layers; sorted by window size."""
+    groups: dict[int, list[int]] = {}
+    for layer in range(num_layers):
+        groups.setdefault(max_attention_window[layer % len(max_attention_window)], []).append(layer)
+    return dict(sorted(groups.items()))
 
 
 def sink_bubble_length(sink_token_length: int, tokens_per_block: int) -> int:
@@ -187,3 +202,92 @@ def calculate_free_mem_bytes(
     if not 0.0 < fraction < 1.0:
         raise ValueError(f"free_gpu_memory_fraction must lie in (0, 1), got {fraction}")
     return int(free_device_bytes * fraction), host_cache_bytes
+
+
+def max_capacity_batch_size(
+    window_num_blocks: Mapping[int, int],
+    input_length: int,
+    output_length: int,
+    beam_width: int,
+    tokens_per_block: int,
+) -> int:
+    """getMaxCapacityBatchSize: how many sequences of this shape fit at once, given each
+    window's primary blocks (the tightest window decides)."""
+    return min(
+        num_blocks
+        // calculate_max_block_requirements(
+            input_length, output_length, 0, window, beam_width, tokens_per_block
+        )
+        for window, num_blocks in window_num_blocks.items()
+    )
+
+
+# -- a live request's needs ------------------------------------------------------------------------
+
+
+def needed_blocks_one_step(
+    request: LlmRequest,
+    sequence: GenerationRequest | None,
+    window_size: int,
+    tokens_per_block: int,
+    is_cross_kv: bool,
+    max_token_num: int,
+    two_steps_look_ahead: bool = False,
+) -> int:
+    """getNeededBlocksOneStep: the blocks `request` needs in one window for its next step (its
+    first context chunk, or the next one or two decoding steps). `sequence` is its live
+    sequence, which a decoding request must have."""
+    tpb = tokens_per_block
+    if (
+        request.state is RequestState.CONTEXT_INIT and request.is_first_context_chunk
+    ) or request.state is RequestState.DISAGG_GENERATION_INIT:
+        chunk = request.max_new_tokens
+        prompt = request.encoder_output_len if is_cross_kv else request.prompt_len
+        prompt_cache_len = min(prompt + request.num_draft_tokens, window_size + chunk)
+        shared = prompt_cache_len // tpb
+        unshared = _ceil_div(prompt_cache_len % tpb, tpb) * request.beam_width
+        return shared + unshared
+    if request.state is RequestState.GENERATION_IN_PROGRESS:
+        if is_cross_kv:
+            return 0
+        if sequence is None:
+            raise UnknownRequestError(f"no live sequence with request id {request.request_id}")
+        current = sequence.num_tokens
+        generated = current - request.prompt_len
+        max_to_add = request.max_new_tokens - generated
+        per_step = request.num_draft_tokens + 1
+        to_add = min((2 if two_steps_look_ahead else 1) * per_step, max_to_add)
+        following = current + to_add
+        if following > max_token_num:
+            return 0
+        return (_ceil_div(following, tpb) - _ceil_div(current, tpb)) * request.beam_width
+    return 0
+
+
+def remaining_blocks_to_completion(
+    request: LlmRequest,
+    sequence: GenerationRequest | None,
+    window_size: int,
+    tokens_per_block: int,
+    is_cross_kv: bool,
+) -> int:
+    """getRemainingBlocksToCompletion: the blocks `request` still needs in one window to run
+    to its last token, counting what its live `sequence` (if any) holds already."""
+    tpb = tokens_per_block
+    beam = request.beam_width
+    if is_cross_kv:
+        if request.state is RequestState.CONTEXT_INIT and request.context_current_position == 0:
+            return _ceil_div(request.encoder_output_len, tpb)
+        return 0
+    whole = request.prompt_len + request.max_new_tokens
+    num_context = min(request.prompt_len, window_size) // tpb
+    total_per_beam = _ceil_div(min(whole, window_size), tpb)
+    gen_per_beam = total_per_beam - num_context
+    allocated = len(sequence.cache_block_ids[window_size][0]) if sequence else 0
+    sliding = whole > window_size
+    current_blocks = _ceil_div(request.num_tokens, tpb)
+    max_blocks = _ceil_div(whole, tpb)
+    extra = 1 if sliding and max_blocks > current_blocks and max_blocks > total_per_beam else 0
+    if allocated < num_context:
+        return num_context - allocated + (gen_per_beam + extra) * beam
+    return (total_per_beam - allocated + extra) * beam

@@ -1,4 +1,5 @@
-"""The dry run of an allocation: how many free primary blocks `add_sequence` will take.
+"""The dry runs of an allocation: how many free primary blocks `add_sequence` (and one more
+token, `blocks_needed_for_next_token`) will take in a window.
 
 Where the seed throws half way through an allocation, kvmesh asks first, so that a request that
 cannot get its blocks is refused before anything changes, and a request the seed admits is
@@ -160,3 +161,28 @@ def _count_with_onboards(
         if found.block is not None and matched + found.num_tokens <= cap:
             matched += found.num_tokens
     return cost, reached, matched
+
+
+def would_leave_window(window: WindowBlockManager, sequence: GenerationRequest) -> bool:
+    """Whether one more token pushes a block out of this window (only SWA may detach)."""
+    front = sequence.num_front_blocks_removed[window.window_size]
+    tpb = window.tokens_per_block
+    return sequence.num_tokens + 1 - front * tpb >= window.window_size + tpb
+
+
+def blocks_needed_for_next_token(window: WindowBlockManager, sequence: GenerationRequest) -> int:
+    """Free primary blocks add_token needs in this window (after out-of-window blocks it
+    detaches are freed)."""
+    tpb = window.tokens_per_block
+    num_tokens = sequence.num_tokens + 1
+    if (num_tokens - 1) % tpb != 0:
+        return 0
+    required = 1 if sequence.beam_width == 1 else sequence.beam_width
+    freed = 0
+    front = sequence.num_front_blocks_removed[window.window_size]
+    blocks = window.allocated_blocks_per_seq[sequence.request_id]
+    while num_tokens - front * tpb >= window.window_size + tpb:
+        if front < len(blocks) and blocks[front].ref_count == 1:
+            freed += 1
+        front += 1
+    return max(0, required - freed)

@@ -158,7 +158,3 @@ def block_key_hash(key: BlockKey, parent_hash: int) -> int:
             seed = _combine(seed, (_mix32(word) + _GOLDEN) & _M32)
         seed = _combine(seed, _mix64(offset & _M64) + _GOLDEN)
     return seed
-
-
-# True when this module runs compiled (its file is then the extension, not the source).
-COMPILED = not __file__.endswith((".py", ".pyc"))

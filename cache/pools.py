@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,6 +33,11 @@ class KVCachePool:
     @property
     def block_size(self) -> int:
         return self.num_kv_heads * self.head_dim * self.tokens_per_block
+
+    @property
+    def primary_bytes(self) -> int:
+        """Bytes of the primary (GPU) pool: 0 before it is allocated."""
+        return 0 if self.primary is None else self.primary.numel() * self.primary.element_size()
 
     def tensor(self, is_primary: bool) -> torch.Tensor:
         pool = self.primary if is_primary else self.secondary
@@ -58,6 +63,43 @@ def group_pools(
         for layer in layers
     }
     return pools, mapping
+
+
+def layer_pool(
+    window_to_layers: Mapping[int, Sequence[int]],
+    num_kv_heads_per_layer: Sequence[int],
+    layer: int,
+) -> tuple[int, int]:
+    """(absolute pool index, layer index within the pool) of a layer, the pools of all windows
+    numbered window by window."""
+    offset = 0
+    for layers in window_to_layers.values():
+        groups, mapping = group_pools(layers, num_kv_heads_per_layer)
+        if layer in mapping:
+            pool, index = mapping[layer]
+            return offset + pool, index
+        offset += len(groups)
+    raise ValueError(f"layer {layer} is outside 0..{len(num_kv_heads_per_layer) - 1}")
+
+
+def allocate_window_pools(
+    layers: Sequence[int],
+    num_kv_heads_per_layer: Sequence[int],
+    kv_factor: int,
+    head_dim: int,
+    tokens_per_block: int,
+    num_primary: int,
+    num_secondary: int,
+    dtype: torch.dtype | None,
+    device: str,
+) -> list[KVCachePool]:
+    """The pools of one window's layers, one per distinct KV-head count, allocated (float16
+    unless `dtype` says otherwise)."""
+    groups, _ = group_pools(layers, num_kv_heads_per_layer)
+    pools = [KVCachePool(n, kv_factor, heads, head_dim, tokens_per_block) for heads, n in groups]
+    dtype = torch.float16 if dtype is None else dtype
+    allocate(pools, num_primary, num_secondary, dtype, torch.device(device))
+    return pools
 
 
 def allocate(
@@ -288,6 +330,26 @@ def offset_table(
             table[p, beam, 0, :n] = base
             table[p, beam, 1, :n] = base + (0 if k_only else 1)
     return table
+
+
+def copy_offset_tables(
+    output: torch.Tensor,
+    slot_offset: int,
+    tables: Sequence[tuple[torch.Tensor, Sequence[Sequence[int]]]],
+) -> int:
+    """copyBlockOffsets: each window's table (`offset_table`, with the block ids of its beams)
+    into output[pool, slot_offset + beam, K/V, :n], the pools of all windows numbered in turn;
+    returns the largest block count of a beam."""
+    max_count = 0
+    absolute = 0
+    for table, ids_per_beam in tables:
+        for pool in range(table.shape[0]):
+            for beam, ids in enumerate(ids_per_beam):
+                n = len(ids)
+                output[absolute, slot_offset + beam, :, :n] = table[pool, beam, :, :n]
+                max_count = max(max_count, n)
+            absolute += 1
+    return max_count
 
 
 def free_device_memory_bytes(device: str) -> int:

@@ -13,6 +13,10 @@ is the one walk: the dry run of an allocation, the allocation itself and the loo
 Invariants: a block is in the tree iff `prev_block` is not None (the root's children have the
 root as parent); `parent.next_blocks[block.hash] is block` for every reachable block; `by_hash`
 maps a hash to a reachable block with that hash (the first stored, where hashes collide).
+
+This module owns those links: `prev_block`, `next_blocks` and `by_hash` are written only by the
+methods below (`insert`, `insert_chain`, `remove_subtree`, `detach_leaf`, `clear`); everyone else
+reads them.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from collections.abc import Callable, Container, Sequence
 from typing import NamedTuple
 
 from cache.block import ROOT_BLOCK_ID, KVCacheBlock
-from cache.hashing import BlockHash, BlockKey
+from cache.hashing import BlockHash, BlockKey, block_key_hash
 
 NO_CAP = 2**62
 
@@ -187,6 +191,30 @@ class ReuseTree:
     def find_by_hash(self, block_hash: int) -> KVCacheBlock | None:
         return self.by_hash.get(block_hash)
 
+    def find_by_key(self, key: BlockKey) -> KVCacheBlock | None:
+        """The block at the end of `key`'s tokens cut into blocks, each matched below the last
+        (partial matches allowed); the root itself for an empty key, as in the seed."""
+        tpb = self.tokens_per_block
+        node = self.root
+        parent_hash = 0
+        tokens = key.tokens
+        extra = key.token_extra_ids()
+        for start in range(0, len(tokens), tpb):
+            part = BlockKey._make(
+                tokens[start : start + tpb],
+                key.extra_ids and extra[start : start + tpb],
+                key.uses_extra_ids,
+                key.lora_task_id,
+                key.extra_keys,
+                key.cache_salt_id,
+            )
+            part_hash = BlockHash(block_key_hash(part, parent_hash))
+            match = self.find_matching_block(node, part, part_hash, True, True).block
+            if match is None:
+                return None
+            node, parent_hash = match, match.hash
+        return node
+
     # -- changing the tree -----------------------------------------------------------------------
 
     def insert(self, parent: KVCacheBlock, block: KVCacheBlock, block_hash: BlockHash) -> None:
@@ -198,6 +226,31 @@ class ReuseTree:
         # before; the flat map only ever names blocks their parent indexes.
         if parent.next_blocks.setdefault(block_hash, block) is block:
             self.by_hash.setdefault(block_hash, block)
+
+    def insert_chain(
+        self,
+        parent: KVCacheBlock,
+        blocks: Sequence[KVCacheBlock],
+        keys: Sequence[BlockKey],
+        hashes: Sequence[BlockHash],
+        removed: list[int],
+    ) -> None:
+        """storeBlocks' insertion: hang `blocks` one below the other under `parent`, block i
+        with keys[i] and hashes[i] (as many as `blocks`).
+
+        A block that is in the tree already was stored before under another key (a partial
+        block that has grown since, or tokens rewritten after a rewind): its old entry, and
+        anything below it, no longer describe its contents, so they leave the tree first, their
+        hashes going to `removed`. (The seed keeps the stale entry and later fails to evict the
+        parent.)"""
+        tpb = self.tokens_per_block
+        for block, key, block_hash in zip(blocks, keys, hashes, strict=False):
+            if block.prev_block is not None or block.next_blocks:
+                self.remove_subtree(block, removed)
+            block.key = key
+            block.is_full = len(key.tokens) == tpb
+            self.insert(parent, block, block_hash)
+            parent = block
 
     def remove_subtree(
         self,
@@ -238,6 +291,13 @@ class ReuseTree:
         if block.next_blocks:
             raise RuntimeError(f"block {block.block_id} is not a leaf")
         self._detach_leaf(block)
+
+    def clear(self, removed: list[int]) -> int:
+        """Drop every block from the tree (`remove_subtree` of each child of the root); returns
+        how many left it."""
+        return sum(
+            self.remove_subtree(child, removed) for child in list(self.root.next_blocks.values())
+        )
 
     def _detach_leaf(self, block: KVCacheBlock) -> None:
         parent = block.prev_block

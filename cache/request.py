@@ -12,7 +12,7 @@ import warnings
 from collections.abc import Mapping, Sequence
 from enum import Enum
 from functools import partial
-from itertools import chain, takewhile
+from itertools import takewhile
 from operator import attrgetter, is_not
 from typing import Any, Protocol, cast
 
@@ -28,17 +28,11 @@ from cache.hashing import (
     hash_token_blocks,
     multimodal_arrays,
 )
-from cache.key import COMPILED as _NATIVE_KEYS
 from cache.retention import DEFAULT_RETENTION, RetentionConfig, TransferMode
 
 INT_MAX = 2**31 - 1
 _key = attrgetter("key")
 _is_block = partial(is_not, None)
-_tokens = attrgetter("tokens")
-# Everything of a key but its tokens; a plain key of a request is (None, False, lora, (), salt).
-_namespace = attrgetter(
-    "extra_ids", "uses_extra_ids", "lora_task_id", "extra_keys", "cache_salt_id"
-)
 
 
 class _HasKey(Protocol):
@@ -69,35 +63,31 @@ def _plain_keys_hold(
     no multimodal keys) holding, one after the other, exactly tokens[start:stop].
 
     Keys hold at most tokens_per_block tokens each, so with stop - start equal to
-    len(keys) * tokens_per_block, equal concatenations mean equal blocks.
+    len(keys) * tokens_per_block, equal concatenations mean equal blocks. Written for the
+    compiled build (native field reads, tokens compared in place, nothing allocated); the
+    sources run the same loop, slower.
     """
-    if _NATIVE_KEYS:  # compiled: native field reads, no object made
-        pos = start
-        for key in keys:
-            if (
-                key.lora_task_id != lora
-                or key.cache_salt_id != salt
-                or key.extra_ids is not None
-                or key.uses_extra_ids
-                or key.extra_keys
-            ):
+    pos = start
+    for key in keys:
+        if (
+            key.lora_task_id != lora
+            or key.cache_salt_id != salt
+            or key.extra_ids is not None
+            or key.uses_extra_ids
+            or key.extra_keys
+        ):
+            return False
+        for token in key.tokens:
+            if pos >= stop or token != tokens[pos]:
                 return False
-            for token in key.tokens:
-                if pos >= stop or token != tokens[pos]:
-                    return False
-                pos += 1
-        return pos == stop
-    # Pure Python: C passes, with no tuple made per key.
-    return list(chain.from_iterable(map(_tokens, keys))) == tokens[start:stop] and set(
-        map(_namespace, keys)
-    ) == {(None, False, lora, (), salt)}
+            pos += 1
+    return pos == stop
 
 
 def _python_ints(values: list[Any]) -> list[int]:
     """`values`, or its items as Python ints where some are not (numpy's integers, say): the
-    compiled modules read tokens as native ints, and would refuse them."""
-    if not _NATIVE_KEYS:  # Python compares and hashes numpy's integers as it does its own
-        return values
+    compiled modules read tokens as native ints, and would refuse them. Both builds convert,
+    so that a request's tokens (and the keys and events made of them) are the same in both."""
     for value in values:
         if not isinstance(value, int):
             return [int(v) for v in values]
@@ -346,20 +336,8 @@ class LlmRequest:
             )
             if full_stop < stop:
                 chunks.append(tuple(tokens[full_stop:stop]))
-            if _NATIVE_KEYS:  # compiled: the constructor is a C call
-                made = [BlockKey(chunk, None, False, lora, (), salt) for chunk in chunks]
-            else:  # pure: BlockKey._make(chunk, None, False, lora, (), salt), inlined
-                made = []
-                new = object.__new__
-                for chunk in chunks:
-                    key = new(BlockKey)
-                    key.tokens = chunk
-                    key.extra_ids = None
-                    key.uses_extra_ids = False
-                    key.lora_task_id = lora
-                    key.extra_keys = ()
-                    key.cache_salt_id = salt
-                    made.append(key)
+            # Compiled, the constructor is a C call (and the only way to make a native key).
+            made = [BlockKey(chunk, None, False, lora, (), salt) for chunk in chunks]
             if lent:  # the run did not hold (rare): compared one at a time
                 for i, block in enumerate(lent[: len(made)]):
                     if block.key == made[i]:

@@ -1,14 +1,12 @@
-"""WindowBlockManager: the blocks and sequences of one attention window size.
+"""WindowBlockManager: the block pool and the sequences of one attention window size.
 
-A port of the seed's WindowBlockManager. It owns the block pool (every block made once, indexed
-by id), the eviction policy (`cache.eviction`), the reuse tree (`cache.radix`) and the blocks of
-each live sequence, and writes its events into an `EventSink` (a do-nothing one when events
-are off).
-
-Where the seed throws half way through an allocation, the manager asks first
-(`cache.dryrun.count_blocks_needed`):
-the dry run in `cache.dryrun`, which walks the tree with the allocation's own walk
-(`ReuseTree.match`) and counts exactly the free primary blocks the allocation will take.
+A port of the seed's WindowBlockManager. It owns the pool (every block made once, indexed by id;
+the free queues of `cache.eviction`; the reuse tree of `cache.radix`), hands free blocks out
+(offloading victims to the host tier), and keeps each live sequence's blocks: allocated with
+reuse (the tree's one walk), grown token by token, detached out of a sliding window, split for
+diverging beams, released. Events go into an `EventSink` (a do-nothing one when events are off).
+Storing for reuse is `cache.store`, pins `cache.pins`, admin `cache.admin`; the manager checks
+room first (`cache.precheck`, `cache.dryrun`), so an allocation here does not fail half way.
 """
 
 from __future__ import annotations
@@ -18,7 +16,7 @@ from operator import attrgetter
 from typing import NamedTuple
 
 from cache.block import KVCacheBlock
-from cache.errors import OutOfBlocksError, PinConflictError, UnknownBlockError
+from cache.errors import OutOfBlocksError, UnknownBlockError
 from cache.events import EventDiff, EventSink, UpdatedData
 from cache.eviction import PRIMARY_LEVEL, SECONDARY_LEVEL, LRUEvictionPolicy
 from cache.hashing import BlockHash, BlockKey, block_key_hash
@@ -37,13 +35,6 @@ class ContextKeys(NamedTuple):
 
     keys: list[BlockKey]
     hashes: list[BlockHash]
-
-
-class StoredBlocks(NamedTuple):
-    """storeBlocks' result: blocks newly put in the tree, and the ids it pinned."""
-
-    num_stored: int
-    pinned_ids: list[int]
 
 
 def _slot(block: KVCacheBlock) -> Slot:
@@ -130,51 +121,34 @@ class WindowBlockManager:
 
     # -- getting a block -------------------------------------------------------------------------
 
-    def _drop_from_tree(self, block: KVCacheBlock, forget_keys: bool = False) -> int:
-        """freeChildren: `block` and its subtree leave the tree, each reported Removed."""
-        removed: list[int] = []
-        count = self.tree.remove_subtree(block, removed, forget_keys)
-        self.events.enqueue_removed_many(removed, self.window_size)
-        return count
-
-    def _offload_victim(self, block: KVCacheBlock, sequence: GenerationRequest) -> KVCacheBlock:
-        """getFreeBlock's offload: `block`'s contents move to the first free secondary block,
-        which takes its primary slot and is returned in its place."""
-        policy = self.policy
-        offload_block, _ = policy.get_free_block(SECONDARY_LEVEL)
-        self.transfer.copy(_slot(block), _slot(offload_block), 0, sequence.transfer_directory)
-        block.swap_memory_pool_block_offset(offload_block)
+    def _move_to_secondary(
+        self, block: KVCacheBlock, target: KVCacheBlock, directory: str | None
+    ) -> None:
+        """`block`'s contents move to the secondary block `target`, which takes its primary
+        slot in exchange (reported Updated when `block` is in the tree)."""
+        self.transfer.copy(_slot(block), _slot(target), 0, directory)
+        block.swap_memory_pool_block_offset(target)
         if block.in_radix_tree:
             self.events.enqueue_updated(
                 UpdatedData(block.hash, cache_level=EventDiff(PRIMARY_LEVEL, SECONDARY_LEVEL)),
                 self.window_size,
             )
+
+    def _offload_victim(self, block: KVCacheBlock, sequence: GenerationRequest) -> KVCacheBlock:
+        """getFreeBlock's offload: `block`'s contents move to the first free secondary block,
+        which is returned in its place (still queued)."""
+        policy = self.policy
+        target, _ = policy.get_free_block(SECONDARY_LEVEL)
+        self._move_to_secondary(block, target, sequence.transfer_directory)
         policy.claim_block(block)  # keeps its priority, loses its duration
         policy.release_block(block)  # now into the secondary queue
-        return offload_block
+        return target
 
     def get_free_block(
         self, sequence: GenerationRequest, priority: int, duration_s: float | None
     ) -> KVCacheBlock:
         """getFreeBlock: the next victim, offloaded to the secondary level when it may be."""
-        policy = self.policy
-        block, can_offload = policy.get_free_block(PRIMARY_LEVEL)
-        has_content = bool(block.key.tokens)
-        if not has_content:
-            self.alloc_new_blocks += 1
-        self.alloc_total_blocks += 1
-        if (
-            has_content
-            and can_offload
-            and self.onboard_blocks
-            and policy.get_num_free_blocks(SECONDARY_LEVEL) > 0
-        ):
-            block = self._offload_victim(block, sequence)
-        if block.prev_block is not None or block.next_blocks:
-            self._drop_from_tree(block)  # a cached block: it leaves the tree, with its subtree
-        policy.claim_block(block, priority, duration_s)
-        self._take_from_owner(block, sequence.request_id)
-        return block
+        return self.get_free_blocks(sequence, [(priority, duration_s)])[0]
 
     def _take_from_owner(self, block: KVCacheBlock, request_id: int) -> None:
         # A block taken from under a live sequence (rewound or out of window) makes that
@@ -184,17 +158,19 @@ class WindowBlockManager:
             self.valid_store_for_reuse[owner] = False
         block.owner = request_id
 
-    def _get_free_blocks(
+    def get_free_blocks(
         self, sequence: GenerationRequest, retentions: Sequence[Retention]
     ) -> list[KVCacheBlock]:
-        """getFreeBlock once per retention, in one pass (popleft_n): the same blocks, queue
-        changes and events as the calls one by one."""
+        """getFreeBlock once per retention (priority, duration), in one pass: the victims leave
+        the primary queues at once (popleft_n; only heads are taken, and nothing done to a
+        victim puts a block in a primary queue, so they are the blocks the calls one by one
+        would take). A victim with contents is offloaded to the secondary level when it may
+        be; a cached block leaves the tree with its subtree (reported Removed, in order)."""
         policy = self.policy
         victims = policy.take_free_blocks(PRIMARY_LEVEL, len(retentions))
         threshold = policy.secondary_offload_min_priority
         may_offload = self.onboard_blocks and self.num_secondary_blocks > 0
         tree = self.tree
-        by_hash = tree.by_hash
         removed: list[int] = []
         window = self.window_size
         rid = sequence.request_id
@@ -211,18 +187,8 @@ class WindowBlockManager:
                 self.events.enqueue_removed_many(removed, window)  # events stay in order
                 removed = []
                 block = self._offload_victim(block, sequence)
-            parent = block.prev_block
-            if block.next_blocks:
-                tree.remove_subtree(block, removed)
-            elif parent is not None:  # a cached leaf (the usual victim): remove_subtree inlined
-                block_hash = block.hash
-                if block.key.tokens:
-                    removed.append(block_hash)
-                if parent.next_blocks.get(block_hash) is block:
-                    del parent.next_blocks[block_hash]
-                if by_hash.get(block_hash) is block:
-                    del by_hash[block_hash]
-                block.prev_block = None
+            if block.prev_block is not None or block.next_blocks:
+                tree.remove_subtree(block, removed)  # a cached block, with its subtree
             if block.q_level >= 0:  # an offload target, still queued
                 policy.claim_block(block)
             block.expiry_token += 1
@@ -264,13 +230,7 @@ class WindowBlockManager:
                 target if target is not None else self.policy.get_free_block(SECONDARY_LEVEL)[0]
             )
             self.policy.claim_block(offload)
-            self.transfer.copy(_slot(block), _slot(offload), 0, directory)
-            block.swap_memory_pool_block_offset(offload)
-            if block.in_radix_tree:
-                self.events.enqueue_updated(
-                    UpdatedData(block.hash, cache_level=EventDiff(PRIMARY_LEVEL, SECONDARY_LEVEL)),
-                    self.window_size,
-                )
+            self._move_to_secondary(block, offload, directory)
             self.policy.release_block(offload)
 
     # -- sequences ---------------------------------------------------------------------------------
@@ -284,17 +244,14 @@ class WindowBlockManager:
         ids.append(block.block_id)
         self.allocated_blocks_per_seq[sequence.request_id].append(block)
 
-    def add_block_to_all_beams(self, block: KVCacheBlock, sequence: GenerationRequest) -> None:
-        for beam in range(sequence.beam_width):
-            self.add_block_to_beam(block, sequence, beam)
-
     def _add_blocks_to_all_beams(
         self, blocks: Sequence[KVCacheBlock], sequence: GenerationRequest
     ) -> None:
         """addBlockToAllBeams for each block in turn."""
         if sequence.beam_width != 1:
             for block in blocks:
-                self.add_block_to_all_beams(block, sequence)
+                for beam in range(sequence.beam_width):
+                    self.add_block_to_beam(block, sequence, beam)
             return
         ids = sequence.cache_block_ids[self.window_size][0]
         last = self.blocks[ids[-1]] if ids else None
@@ -456,39 +413,20 @@ class WindowBlockManager:
             position += 1
         # No match from here on: a fresh block per position, keyed by its position.
         if position < num_shared:
-            fresh = self._get_free_blocks(
+            fresh = self.get_free_blocks(
                 sequence,
                 [
                     (DEFAULT_PRIORITY if priority is None else priority, duration)
                     for priority, duration in per_block[position:num_shared]
                 ],
             )
+            self._add_blocks_to_all_beams(fresh, sequence)
             set_keys = max(0, min(num_shared, num_keys) - position)
-            if beam_width == 1:  # addBlockToAllBeams and the keys in one pass
-                ids = sequence.cache_block_ids[self.window_size][0]
-                last = self.blocks[ids[-1]] if ids else None
-                for block, key, key_hash in zip(
-                    fresh[:set_keys], keys[position:], hashes[position:], strict=False
-                ):
-                    block.ref_count += 1
-                    block.prev_block_in_seq = last
-                    block.key = key
-                    block.is_full = len(key.tokens) == tpb
-                    block.hash = key_hash
-                    last = block
-                for block in fresh[set_keys:]:
-                    block.ref_count += 1
-                    block.prev_block_in_seq = last
-                    last = block
-                ids.extend([block.block_id for block in fresh])
-                self.allocated_blocks_per_seq[sequence.request_id].extend(fresh)
-            else:
-                self._add_blocks_to_all_beams(fresh, sequence)
-                for block, key, key_hash in zip(
-                    fresh[:set_keys], keys[position:], hashes[position:], strict=False
-                ):
-                    block.set_block_key(key, len(key.tokens) == tpb)
-                    block.hash = key_hash
+            for block, key, key_hash in zip(
+                fresh[:set_keys], keys[position:], hashes[position:], strict=False
+            ):
+                block.set_block_key(key, len(key.tokens) == tpb)
+                block.hash = key_hash
             for block in fresh[set_keys:]:  # past the keys: the hash of the key it holds
                 prev = block.prev_block_in_seq
                 block.hash = BlockHash(block_key_hash(block.key, prev.hash if prev else 0))
@@ -544,30 +482,6 @@ class WindowBlockManager:
                 block = self.get_free_block(sequence, priority, duration)
                 self.add_block_to_beam(block, sequence, beam)
 
-    def blocks_needed_for_next_token(self, sequence: GenerationRequest) -> int:
-        """Free primary blocks add_token needs in this window (after out-of-window blocks it
-        detaches are freed)."""
-        num_tokens = sequence.num_tokens + 1
-        if (num_tokens - 1) % self.tokens_per_block != 0:
-            return 0
-        required = 1 if sequence.beam_width == 1 else sequence.beam_width
-        freed = 0
-        front = sequence.num_front_blocks_removed[self.window_size]
-        blocks = self.allocated_blocks_per_seq[sequence.request_id]
-        while (
-            num_tokens - front * self.tokens_per_block >= self.window_size + self.tokens_per_block
-        ):
-            if front < len(blocks) and blocks[front].ref_count == 1:
-                freed += 1
-            front += 1
-        return max(0, required - freed)
-
-    def would_leave_window(self, sequence: GenerationRequest) -> bool:
-        """Whether one more token pushes a block out of this window (only SWA may detach)."""
-        front = sequence.num_front_blocks_removed[self.window_size]
-        tpb = self.tokens_per_block
-        return sequence.num_tokens + 1 - front * tpb >= self.window_size + tpb
-
     def adjust_blocks_if_needed(self, sequence: GenerationRequest) -> None:
         tpb = self.tokens_per_block
         min_tokens_for_detach = self.window_size + tpb
@@ -592,132 +506,15 @@ class WindowBlockManager:
             self.policy.release_block(block)
         sequence.num_front_blocks_removed[self.window_size] += 1
 
-    # -- storing for reuse -------------------------------------------------------------------------
-
-    def store_blocks(
-        self,
-        keys: Sequence[BlockKey],
-        hashes: Sequence[BlockHash],
-        blocks: Sequence[KVCacheBlock],
-        pin_blocks: bool = False,
-        cache_salt: str | None = None,
-        root: KVCacheBlock | None = None,
-    ) -> StoredBlocks:
-        """storeBlocks: insert the blocks not yet in the tree; one Stored event for them all.
-
-        The walk starts at the tree root, or at `root` when the caller knows that the blocks
-        before `keys[0]` are stored and end at `root`.
-        """
-        tree = self.tree
-        count = min(len(keys), len(blocks))
-        found = tree.match(keys, hashes, count, exact=True, parent=root).blocks
-        pinned: list[int] = []
-        if pin_blocks:
-            for block in found:
-                self._pin(block)
-                pinned.append(block.block_id)
-        parent = found[-1] if found else (tree.root if root is None else root)
-        tpb = self.tokens_per_block
-        stored = list(blocks[len(found) : count])
-        removed: list[int] = []
-        by_hash = tree.by_hash
-        start = len(found)
-        for block, key, block_hash in zip(stored, keys[start:], hashes[start:], strict=False):
-            if block.prev_block is not None or block.next_blocks:
-                # Stored before under another key (a partial block that has grown since, or
-                # tokens rewritten after a rewind): its old entry, and anything below it, no
-                # longer describe its contents. The seed keeps the stale entry and later fails
-                # to evict the parent; we drop it and report it removed.
-                tree.remove_subtree(block, removed)
-            block.key = key
-            block.is_full = len(key.tokens) == tpb
-            # ReuseTree.insert, inlined
-            block.prev_block = parent
-            block.prev_block_in_seq = parent
-            block.hash = block_hash
-            if parent.next_blocks.setdefault(block_hash, block) is block:
-                by_hash.setdefault(block_hash, block)
-            block.cache_salt = cache_salt
-            parent = block
-        if pin_blocks:
-            for block in stored:
-                self._pin(block)
-                pinned.append(block.block_id)
-        self.events.enqueue_removed_many(removed, self.window_size)
-        if stored:
-            self.events.enqueue_stored(stored, self.window_size)
-        return StoredBlocks(len(stored), pinned)
-
-    def _pin(self, block: KVCacheBlock) -> None:
-        """Add a reference; a free (cached) block leaves its free queue first, so it is not
-        counted free while pinned (the "ghost free block" newer TensorRT-LLM fixed)."""
-        if block.ref_count == 0 and block.q_level >= 0:
-            self.policy.claim_block(block, block.priority, block.duration_s)
-        block.ref_count += 1
-        self.pins[block.block_id] = self.pins.get(block.block_id, 0) + 1
-
-    def store_context_blocks(self, sequence: GenerationRequest, request: LlmRequest) -> None:
-        tpb = self.tokens_per_block
-        usable = request.num_tokens - 1
-        keys = request.block_keys(tpb, usable, False)
-        hashes = request.block_hashes(tpb, usable, False)
-        self.store_blocks(keys, hashes, self._beam0_blocks(sequence), False, request.cache_salt)
-
-    def store_new_block(self, sequence: GenerationRequest, request: LlmRequest) -> None:
-        tpb = self.tokens_per_block
-        if request.num_tokens == 0:
-            return
-        usable = request.num_tokens - 1
-        if usable % tpb != 0:
-            return
-        ids = sequence.cache_block_ids[self.window_size][0]
-        keys = request.block_keys(tpb, usable, True)
-        hashes = request.block_hashes(tpb, usable, True)
-        n = len(keys)
-        if n >= 2 and len(ids) >= n:
-            prev, last = self.blocks[ids[n - 2]], self.blocks[ids[n - 1]]
-            if prev.prev_block is not None and last.prev_block is not None:
-                return  # already stored
-            if prev.prev_block is not None and prev.hash == hashes[n - 2]:
-                # Everything up to `prev` is stored: walking there from the root would only
-                # retrace it (and cost O(length) at every block boundary).
-                self.store_blocks(
-                    keys[-1:], hashes[-1:], [last], False, request.cache_salt, root=prev
-                )
-                return
-        self.store_blocks(keys, hashes, self._beam0_blocks(sequence), False, request.cache_salt)
-
-    def store_blocks_for_reuse(
-        self, sequence: GenerationRequest, request: LlmRequest, pin_blocks: bool
-    ) -> list[int]:
-        tpb = self.tokens_per_block
-        usable = request.num_tokens - 1
-        keys = request.block_keys(tpb, usable, True)
-        hashes = request.block_hashes(tpb, usable, True)
-        blocks = self._beam0_blocks(sequence)
-        return self.store_blocks(keys, hashes, blocks, pin_blocks, request.cache_salt).pinned_ids
-
-    def _beam0_blocks(self, sequence: GenerationRequest) -> list[KVCacheBlock]:
-        return [self.blocks[i] for i in sequence.cache_block_ids[self.window_size][0]]
+    # -- releasing ------------------------------------------------------------------------------
 
     def is_sequence_valid_for_store_for_reuse(self, request_id: int) -> bool:
         return self.valid_store_for_reuse.get(request_id, False)
 
-    def release_blocks(
-        self, sequence: GenerationRequest, request: LlmRequest | None, pin_blocks: bool = False
-    ) -> list[int]:
-        """releaseBlocks: store for reuse (when `request` is given), then release last to first."""
-        rid = sequence.request_id
-        blocks = self.allocated_blocks_per_seq.pop(rid)
-        pinned: list[int] = []
-        if request is not None and self.is_sequence_valid_for_store_for_reuse(rid):
-            tpb = self.tokens_per_block
-            usable = request.num_tokens - 1
-            keys = request.block_keys(tpb, usable, True)
-            hashes = request.block_hashes(tpb, usable, True)
-            pinned = self.store_blocks(
-                keys, hashes, blocks, pin_blocks, request.cache_salt
-            ).pinned_ids
+    def release_blocks(self, sequence: GenerationRequest) -> None:
+        """releaseBlocks' release: the sequence's blocks, last to first (the manager stores them
+        for reuse first, with `cache.store.store_request`)."""
+        blocks = self.allocated_blocks_per_seq.pop(sequence.request_id)
         front = sequence.num_front_blocks_removed[self.window_size]
         freed: list[KVCacheBlock] = []
         append = freed.append
@@ -730,7 +527,6 @@ class WindowBlockManager:
                 append(block)
         self.policy.release_blocks(freed)
         sequence.cache_block_ids[self.window_size] = [[] for _ in range(sequence.beam_width)]
-        return pinned
 
     def release_last_block(self, sequence: GenerationRequest) -> None:
         blocks = self.allocated_blocks_per_seq[sequence.request_id]
@@ -778,31 +574,7 @@ class WindowBlockManager:
             ids[block_index] = block.block_id
             allocated[block_index * beam_width + beam] = block
 
-    # -- pinning, scheduling -----------------------------------------------------------------------
-
-    def pin_blocks(self, sequence: GenerationRequest) -> None:
-        for block in self.allocated_blocks_per_seq[sequence.request_id]:
-            self._pin(block)
-
-    def unpin_blocks_by_id(self, block_ids: Sequence[int]) -> None:
-        # Validate everything first, so a bad id changes nothing.
-        pending: dict[int, int] = {}
-        for block_id in block_ids:
-            self.block(block_id)
-            pending[block_id] = pending.get(block_id, 0) + 1
-            if pending[block_id] > self.pins.get(block_id, 0):
-                raise UnknownBlockError(
-                    f"block {block_id} is not pinned "
-                    f"({self.pins.get(block_id, 0)} pin(s), {pending[block_id]} unpin(s) asked)"
-                )
-        for block_id in block_ids:
-            block = self.blocks[block_id]
-            self.pins[block_id] -= 1
-            if not self.pins[block_id]:
-                del self.pins[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.policy.release_block(block)
+    # -- scheduling -----------------------------------------------------------------------------
 
     def start_scheduling(self) -> None:
         self.scheduling_num_free_blocks = self.get_num_free_blocks()
@@ -818,150 +590,8 @@ class WindowBlockManager:
             if block.scheduling_ref_count == 0:
                 self.scheduling_num_free_blocks += 1
 
-    # -- lookups -----------------------------------------------------------------------------------
-
-    def find_new_context_block(self, request: LlmRequest, tokens: Sequence[int]) -> BlockKey | None:
-        """The key of the first block of `tokens` the tree lacks (with the tokens before it),
-        or None when the tree holds all their full blocks."""
-        tpb = self.tokens_per_block
-        extra = None
-        if request.extra_ids is not None:  # the tokens carry the request's extra ids
-            extra = (request.extra_ids + [0] * len(tokens))[: len(tokens)]
-        probe = LlmRequest(
-            request.request_id,
-            list(tokens),
-            extra_ids=extra,
-            lora_task_id=request.lora_task_id,
-            cache_salt_id=request.cache_salt_id,
-            multimodal=request.multimodal,
-        )
-        keys = probe.block_keys(tpb, len(tokens), False)
-        hashes = probe.block_hashes(tpb, len(tokens), False)
-        found = self.tree.match(keys, hashes, exact=True).blocks
-        if len(found) == len(keys):
-            return None
-        result_tokens = [t for key in keys[: len(found) + 1] for t in key.tokens]
-        return BlockKey(tokens=result_tokens, lora_task_id=request.lora_task_id)
-
-    def find_blocks_in_reuse_tree_by_block_key(self, key: BlockKey) -> KVCacheBlock | None:
-        """The block at the end of `key`'s tokens, cut into blocks (partial matches allowed)."""
-        tpb = self.tokens_per_block
-        tree = self.tree
-        node = tree.root
-        parent_hash = 0
-        tokens = key.tokens
-        extra = key.token_extra_ids()
-        for start in range(0, len(tokens), tpb):
-            part = BlockKey._make(
-                tokens[start : start + tpb],
-                key.extra_ids and extra[start : start + tpb],
-                key.uses_extra_ids,
-                key.lora_task_id,
-                key.extra_keys,
-                key.cache_salt_id,
-            )
-            part_hash = BlockHash(block_key_hash(part, parent_hash))
-            match = tree.find_matching_block(node, part, part_hash, True, True).block
-            if match is None:
-                return None
-            node, parent_hash = match, match.hash
-        return node  # the root itself for an empty key, as in the seed
+    # -- listing ----------------------------------------------------------------------------------
 
     def tree_blocks(self) -> list[KVCacheBlock]:
         """Every block in the reuse tree, parents before children."""
         return self.tree.blocks()
-
-    def find_block_by_hash(self, block_hash: int) -> KVCacheBlock | None:
-        """The block of the reuse tree with this chained hash, or None."""
-        return self.tree.find_by_hash(block_hash)
-
-    def clear_reusable_blocks(self) -> int:
-        """Drop from the tree every subtree that no sequence or pin holds; returns the blocks
-        dropped (each reported Removed). Held blocks and their ancestors stay."""
-        roots = self.tree.unheld_subtrees(lambda block: block.ref_count > 0)
-        # An empty key: a later eviction has nothing to offload.
-        return sum(self._drop_from_tree(block, forget_keys=True) for block in roots)
-
-    def offload_reusable_blocks(self, max_blocks: int | None = None) -> int:
-        """Move cached primary blocks that nobody holds to empty secondary slots, in eviction
-        order (each reported Updated, primary -> secondary); returns how many moved."""
-        if max_blocks is not None and max_blocks < 0:
-            raise ValueError(f"max_blocks must be >= 0, got {max_blocks}")
-        if not self.onboard_blocks or self.num_secondary_blocks == 0:
-            return 0
-        policy = self.policy
-        sources = [block for block in policy.iter_free(PRIMARY_LEVEL) if block.in_radix_tree]
-        targets = [
-            block
-            for block in policy.iter_free(SECONDARY_LEVEL)
-            if not block.key.tokens and block.prev_block is None and not block.next_blocks
-        ]
-        count = min(len(sources), len(targets))
-        if max_blocks is not None:
-            count = min(count, max_blocks)
-        for block, target in zip(sources[:count], targets[:count], strict=True):
-            policy.claim_block(block, block.priority, block.duration_s)
-            self.offload_block(block, target=target)  # the empty target takes the primary slot
-            policy.release_block(block)  # into the secondary queue, same priority
-        self.transfer.flush()
-        return count
-
-    def _chains_by_hash(self, block_hashes: Sequence[int]) -> list[KVCacheBlock]:
-        """The named blocks with their ancestors, each once, parents before children (all
-        must be in the tree)."""
-        tree = self.tree
-        named: list[KVCacheBlock] = []
-        for block_hash in block_hashes:
-            block = tree.find_by_hash(block_hash)
-            if block is None:
-                raise UnknownBlockError(
-                    f"no block with hash {block_hash} in the reuse tree (window {self.window_size})"
-                )
-            named.append(block)
-        blocks: dict[int, KVCacheBlock] = {}  # a block shared by several chains counts once
-        for block in named:
-            for node in tree.chain(block):
-                blocks.setdefault(node.block_id, node)
-        return list(blocks.values())
-
-    def pin_blocks_by_hash(self, block_hashes: Sequence[int]) -> list[int]:
-        """Pin cached blocks by hash, each with its ancestors (a prefix is reusable only whole,
-        and evicting an ancestor would drop the pinned block from the tree); a block named or
-        shared several times is pinned once per call; all or none. Returns the ids pinned."""
-        blocks = self._chains_by_hash(block_hashes)
-        for block in blocks:
-            self._pin(block)
-        return [block.block_id for block in blocks]
-
-    def unpin_blocks_by_hash(self, block_hashes: Sequence[int]) -> list[int]:
-        """Undo `pin_blocks_by_hash` for the same hashes (all or none).
-
-        Invariant kept: a pinned block's parent holds at least as many pins as it does, so an
-        evicted ancestor can never drop a pinned block from the tree. An unpin that would break
-        it (other hashes than the pin used: an ancestor alone, one of two siblings) raises
-        PinConflictError and changes nothing."""
-        blocks = self._chains_by_hash(block_hashes)
-        chosen = {block.block_id for block in blocks}
-        pins = self.pins
-
-        def after(block: KVCacheBlock) -> int:
-            return pins.get(block.block_id, 0) - (block.block_id in chosen)
-
-        for block in blocks:
-            if after(block) < 0:
-                raise UnknownBlockError(f"block {block.block_id} (hash {block.hash}) is not pinned")
-            for child in block.next_blocks.values():
-                if after(child) > after(block):
-                    raise PinConflictError(
-                        f"unpinning block {block.hash} would leave its pinned child {child.hash} "
-                        "with an unpinned ancestor; unpin with the hashes the pin used"
-                    )
-        ids: list[int] = [block.block_id for block in blocks]
-        self.unpin_blocks_by_id(ids)
-        return ids
-
-    def reset_reuse_state(self) -> None:
-        """Forget the reuse tree. Each forgotten block is reported Removed, so that consumers of
-        the event stream stay exact (the seed swaps the root silently)."""
-        for child in list(self.tree.root.next_blocks.values()):
-            self._drop_from_tree(child)

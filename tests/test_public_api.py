@@ -55,7 +55,7 @@ EVENTS_ALL = [
     "SnapshotError",
 ]
 
-# DESIGN.md section 1.1: the names other code is written against.
+# The names other code is written against (README's "block manager in ten lines", docs/).
 DESIGN_NAMES = {
     "cache": [
         "KVCacheManager",

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from app.cli import main as cli_main
+from app.core.sim_timing import SimTiming
 from app.replay.cluster import POOLED, ClusterConfig, RunResult, StepRecord, run_policy
 from app.replay.report import (
     format_table,
@@ -29,7 +30,6 @@ from app.replay.trace import (
     load_trace,
     parse_trace,
 )
-from app.core.sim_timing import SimTiming
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 SLICE = DATA / "mooncake_conversation_200.jsonl"

@@ -1,11 +1,12 @@
 """Keys lent by the reuse tree to a request (LlmRequest.block_keys with `known`): a tree block's
 key is used for a block of the request exactly when it is equal, whatever the chained hash says.
 
-tests/cache/test_native.py runs this file on the sources too, so both builds are held to it.
+tests/cache/test_native.py runs this file on the other build too, so both are held to it.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -13,6 +14,7 @@ import numpy as np
 
 from cache import LlmRequest
 from cache.block import KVCacheBlock
+from cache.events import StoredData
 from cache.hashing import BlockKey
 from tests.cache.factories import ids, make_manager
 
@@ -107,3 +109,29 @@ def test_numpy_integers_as_tokens_are_matched_like_python_ints() -> None:
     partial = LlmRequest(3, mixed)
     assert mgr.add_sequence(partial) == 6
     assert ids(mgr, 3)[0] == stored[0] and ids(mgr, 3)[1] not in stored
+
+
+def test_numpy_integers_become_python_ints_through_to_the_stored_event() -> None:
+    """Tokens and extra ids given as numpy integers are Python ints in the request, in its keys
+    and in the rows of its Stored event (which therefore encode), in either build; the rows carry
+    every field of the block, read from the native fields when compiled."""
+    mgr = make_manager(8, events=16)
+    tokens: list[Any] = list(np.arange(9, dtype=np.int64))
+    extra: list[Any] = [np.int32(i % 3) for i in range(9)]
+    request = LlmRequest(
+        0, tokens, extra_ids=extra, lora_task_id=4, cache_salt_id=6, cache_salt="tenant"
+    )
+    assert request.extra_ids is not None
+    assert {type(t) for t in request.tokens} | {type(e) for e in request.extra_ids} == {int}
+    mgr.add_sequence(request)
+    mgr.remove_sequence(0, request)
+    stored = mgr.take_events()[-1].data
+    assert isinstance(stored, StoredData)
+    rows = stored.rows()
+    assert [row[0] for row in rows] == request.block_hashes(4, 8, False)
+    assert [row[1:] for row in rows] == [
+        ((0, 1, 2, 3), (0, 1, 2, 0), 0, 35, (), "tenant", 4),
+        ((4, 5, 6, 7), (1, 2, 0, 1), 0, 35, (), "tenant", 4),
+    ]
+    assert {type(v) for row in rows for v in (row[0], *row[1], *(row[2] or ()))} == {int}
+    json.dumps(stored.to_dict())  # numpy integers would not serialize

@@ -60,3 +60,24 @@ def test_a_hash_collision_is_a_miss_and_the_children_are_walked() -> None:
     assert removed == [30, 20]
     assert tree.by_hash == {10: a, 30: b}
     assert tree.blocks() == [a, b]
+
+
+def test_insert_chain_moves_a_block_stored_under_another_key_and_clear_empties_the_tree() -> None:
+    """storeBlocks' insertion: a block already in the tree (stored before under another key)
+    leaves it with its subtree first, reported removed; `clear` drops everything, leaves first."""
+    tree = ReuseTree(TPB, enable_partial_reuse=True, copy_on_partial_reuse=True)
+    a = grow(tree, tree.root, 0, key(1, 2), 10)
+    b = grow(tree, a, 1, key(3), 11)  # a partial block that grows later
+    c = grow(tree, b, 2, key(9, 9), 12)
+    removed: list[int] = []
+    tree.insert_chain(a, [b], [key(3, 4)], [BlockHash(13)], removed)
+    assert removed == [12, 11]  # b's old entry and its subtree
+    assert (b.key, b.is_full, b.hash, b.prev_block) == (key(3, 4), True, 13, a)
+    assert tree.by_hash == {10: a, 13: b} and c.prev_block is None
+    assert tree.match([key(1, 2), key(3, 4)], [BlockHash(10), BlockHash(13)]).blocks == [a, b]
+    d = KVCacheBlock(3, 3, True)
+    tree.insert_chain(b, [d], [key(5)], [BlockHash(14)], removed)
+    assert removed == [12, 11] and tree.blocks() == [a, b, d] and not d.is_full
+    assert tree.clear(removed) == 3
+    assert removed == [12, 11, 14, 13, 10]
+    assert tree.by_hash == {} and tree.blocks() == [] and a.prev_block is None

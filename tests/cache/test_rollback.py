@@ -1,4 +1,5 @@
-"""A refused call leaves no trace (DESIGN.md 1.2, "Failure leaves no trace").
+"""A refused call leaves no trace: when a request cannot get its blocks, the manager is exactly
+as it was before the call.
 
 The seed throws half way through an allocation; the port checks first and rolls nothing back
 because it changed nothing. These tests refuse calls in states built with reuse, partial reuse,

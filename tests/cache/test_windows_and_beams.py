@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from cache import KVCacheManager
+from cache.admin import reset_reuse_state
 from tests.cache.factories import add_tokens, drain, make_manager, req
 
 
@@ -49,7 +50,7 @@ def test_vswa_allocation_events_and_prepopulated_length() -> None:
     assert mgr.add_sequence(again) == 11
     # a prompt that matches only in the full-attention window: the minimum wins
     mgr.remove_sequence(1, again)
-    mgr.windows[8].reset_reuse_state()
+    reset_reuse_state([mgr.windows[8]])
     third = req(2, range(12))
     assert mgr.add_sequence(third) == 0
 

@@ -195,8 +195,7 @@ def test_created_clears_the_worker_and_remove_worker_frees_its_slot() -> None:
     assert index.workers() == ["b", "c"]
     assert index.find_matches(H) == {"c": 2}
     assert len(index) == 4  # c's blocks
-    with pytest.raises(KeyError):
-        index.worker_blocks("a")
+    assert index.worker_blocks("a") == {}  # removed: it holds nothing
     index.apply_event("d", stored(None, H[:1]))  # takes a's slot, and none of its blocks
     assert index.workers() == ["d", "b", "c"]
     assert index.find_matches(H) == {"c": 2, "d": 1}

@@ -1,0 +1,150 @@
+"""Storing a sequence's blocks for reuse: the seed's storeBlocks and its callers.
+
+A sequence's blocks join its window's reuse tree (`cache.radix`) under the request's keys and
+chained hashes: on the fly as context blocks fill (`store_context_blocks`, `store_new_block`),
+and when the request leaves (`store_request`, before the window releases them; or
+`store_blocks_for_reuse`, without releasing). Blocks already in the tree are matched, not stored
+again; each call reports the blocks it stored as one Stored event (and any stale entry it
+dropped as Removed).
+
+Compiled with window.py (`cache._native`): every finished request is stored through here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, NamedTuple
+
+from cache.block import KVCacheBlock
+from cache.hashing import BlockHash, BlockKey
+from cache.pins import pin_block
+from cache.request import GenerationRequest, LlmRequest
+
+if TYPE_CHECKING:
+    from cache.window import WindowBlockManager
+
+
+class StoredBlocks(NamedTuple):
+    """storeBlocks' result: blocks newly put in the tree, and the ids it pinned."""
+
+    num_stored: int
+    pinned_ids: list[int]
+
+
+def store_blocks(
+    window: WindowBlockManager,
+    keys: Sequence[BlockKey],
+    hashes: Sequence[BlockHash],
+    blocks: Sequence[KVCacheBlock],
+    pin_blocks: bool = False,
+    cache_salt: str | None = None,
+    root: KVCacheBlock | None = None,
+) -> StoredBlocks:
+    """storeBlocks: insert the blocks not yet in the tree; one Stored event for them all.
+
+    The walk starts at the tree root, or at `root` when the caller knows that the blocks
+    before `keys[0]` are stored and end at `root`.
+    """
+    tree = window.tree
+    count = min(len(keys), len(blocks))
+    found = tree.match(keys, hashes, count, exact=True, parent=root).blocks
+    pinned: list[int] = []
+    if pin_blocks:
+        for block in found:
+            pin_block(window, block)
+            pinned.append(block.block_id)
+    parent = found[-1] if found else (tree.root if root is None else root)
+    start = len(found)
+    stored = list(blocks[start:count])
+    removed: list[int] = []
+    tree.insert_chain(parent, stored, keys[start:], hashes[start:], removed)
+    for block in stored:
+        block.cache_salt = cache_salt
+    if pin_blocks:
+        for block in stored:
+            pin_block(window, block)
+            pinned.append(block.block_id)
+    window.events.enqueue_removed_many(removed, window.window_size)
+    if stored:
+        window.events.enqueue_stored(stored, window.window_size)
+    return StoredBlocks(len(stored), pinned)
+
+
+def _beam0_blocks(window: WindowBlockManager, sequence: GenerationRequest) -> list[KVCacheBlock]:
+    return [window.blocks[i] for i in sequence.cache_block_ids[window.window_size][0]]
+
+
+def store_context_blocks(
+    windows: Iterable[WindowBlockManager], sequence: GenerationRequest, request: LlmRequest
+) -> None:
+    """Store the full blocks of the tokens computed so far (all but the last), in every window
+    without sliding: an SWA block stored now could go out of window."""
+    for window in windows:
+        if not window.is_swa:
+            tpb = window.tokens_per_block
+            usable = request.num_tokens - 1
+            keys = request.block_keys(tpb, usable, False)
+            hashes = request.block_hashes(tpb, usable, False)
+            blocks = _beam0_blocks(window, sequence)
+            store_blocks(window, keys, hashes, blocks, False, request.cache_salt)
+
+
+def store_new_block(
+    windows: Iterable[WindowBlockManager], sequence: GenerationRequest, request: LlmRequest
+) -> None:
+    """Store the block a generated token has just filled (at a block boundary only), in every
+    window without sliding."""
+    for window in windows:
+        if not window.is_swa:
+            _store_new_block(window, sequence, request)
+
+
+def _store_new_block(
+    window: WindowBlockManager, sequence: GenerationRequest, request: LlmRequest
+) -> None:
+    tpb = window.tokens_per_block
+    if request.num_tokens == 0:
+        return
+    usable = request.num_tokens - 1
+    if usable % tpb != 0:
+        return
+    ids = sequence.cache_block_ids[window.window_size][0]
+    keys = request.block_keys(tpb, usable, True)
+    hashes = request.block_hashes(tpb, usable, True)
+    n = len(keys)
+    if n >= 2 and len(ids) >= n:
+        prev, last = window.blocks[ids[n - 2]], window.blocks[ids[n - 1]]
+        if prev.prev_block is not None and last.prev_block is not None:
+            return  # already stored
+        if prev.prev_block is not None and prev.hash == hashes[n - 2]:
+            # Everything up to `prev` is stored: walking there from the root would only
+            # retrace it (and cost O(length) at every block boundary).
+            store_blocks(window, keys[-1:], hashes[-1:], [last], False, request.cache_salt, prev)
+            return
+    store_blocks(window, keys, hashes, _beam0_blocks(window, sequence), False, request.cache_salt)
+
+
+def store_request(
+    window: WindowBlockManager, request: LlmRequest, blocks: Sequence[KVCacheBlock], pin: bool
+) -> list[int]:
+    """Store `blocks`, a sequence's in order, under the request's keys (the partial tail too);
+    returns the ids pinned when `pin`. What releaseBlocks stores."""
+    tpb = window.tokens_per_block
+    usable = request.num_tokens - 1
+    keys = request.block_keys(tpb, usable, True)
+    hashes = request.block_hashes(tpb, usable, True)
+    return store_blocks(window, keys, hashes, blocks, pin, request.cache_salt).pinned_ids
+
+
+def store_blocks_for_reuse(
+    windows: Iterable[WindowBlockManager],
+    sequence: GenerationRequest,
+    request: LlmRequest,
+    pin: bool,
+) -> list[int]:
+    """`store_request` for the sequence's blocks in every window, without releasing them;
+    returns the ids pinned in the last window when `pin`."""
+    pinned: list[int] = []
+    for window in windows:
+        pinned = store_request(window, request, _beam0_blocks(window, sequence), pin)
+    return pinned
