@@ -64,7 +64,17 @@ def _add_settings_flags(parser: argparse.ArgumentParser, model: type[Settings]) 
             help_text += f" (default: {info.default})"
         annotation = info.annotation
         choices = _literal_choices(annotation)
-        if annotation is bool:
+        extra = info.json_schema_extra
+        if typing.get_origin(annotation) is list:  # repeatable, named in the singular
+            parser.add_argument(
+                flag.removesuffix("s"),
+                dest=name,
+                action="append",
+                default=None,
+                metavar=str(extra.get("metavar", "VALUE")) if isinstance(extra, dict) else None,
+                help=help_text,
+            )
+        elif annotation is bool:
             parser.add_argument(
                 flag, action=argparse.BooleanOptionalAction, default=None, help=help_text
             )

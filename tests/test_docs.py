@@ -161,6 +161,7 @@ def test_every_sh_block_is_run_or_says_why_not() -> None:
             "curl -s -w '\\n' localhost:8000/route/explain -H 'content-type: application/json' "
             '-d "{\\"prompt\\": $PROMPT}"',
         ),
+        ("README.md", "python - <<'EOF'"),
     ], "a new sh block in README.md: run it in the tour, or say in NOT_RUN why not"
     unclassified = [key for key in keys if key not in NOT_RUN and key[0] != "README.md"]
     assert unclassified == [], "run these, or say in NOT_RUN why not"
@@ -205,10 +206,11 @@ def test_every_kvmesh_command_in_the_docs_parses_and_names_files_that_exist() ->
         except SystemExit as exc:
             assert exc.code == 0, where  # --help exits 0; a bad flag exits 2
             continue
-        for name in ("trace", "tokenizer"):
-            value = getattr(args, name, None)
+        paths = [getattr(args, name, None) for name in ("trace", "tokenizer")]
+        paths += [item.partition("=")[2] for item in getattr(args, "models", None) or ()]
+        for value in paths:
             if value is not None:
-                assert (ROOT / str(value)).is_file(), f"{where}: {value} is not in the repository"
+                assert (ROOT / str(value)).exists(), f"{where}: {value} is not in the repository"
 
 
 def _port_free(port: int) -> bool:
@@ -256,8 +258,8 @@ def test_the_readme_tour_runs_as_written() -> None:
             proc.wait()
     answers = _json_lines(out)
     documented = _documented_answers()
-    assert len(answers) == len(documented) == 4, (out, err[-3000:])
-    ready, first, second, explain = answers
+    assert len(answers) == len(documented) == 6, (out, err[-3000:])
+    ready, first, second, explain, turn1, turn2 = answers
     assert ready["ready"] is True and ready["reasons"] == []
     assert set(ready["workers_up"]) <= {"w0", "w1"} and ready["workers_up"]
     # What the README shows and says: the same output, 0 then 99 cached tokens, on one worker.
@@ -268,6 +270,13 @@ def test_the_readme_tour_runs_as_written() -> None:
     assert explain["worker"] == first["kvmesh"]["worker_id"]
     for field in ("policy", "expected_cached_tokens", "num_tokens", "num_blocks"):
         assert explain[field] == documented[3][field], field
+    # The chat: the same prompt and cached tokens as shown, both turns on one worker.
+    for got, shown in ((turn1, documented[4]), (turn2, documented[5])):
+        assert (got["prompt_tokens"], got["cached_tokens"]) == (
+            shown["prompt_tokens"],
+            shown["cached_tokens"],
+        )
+    assert turn1["worker"] == turn2["worker"]
     assert proc.returncode == 0, err[-3000:]
     assert "exited with" not in err, err[-3000:]
     assert all(_port_free(port) for port in ports.values()), "the tour left a process behind"

@@ -27,12 +27,18 @@ class ApiError(Exception):
     kind: ClassVar[str] = "error"
 
     def __init__(
-        self, message: str, *, param: str | None = None, headers: dict[str, str] | None = None
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+        code: str | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
         self.headers = headers or {}
+        self.code = code  # OpenAI's machine-readable code ("model_not_found"), where one exists
 
 
 class BadRequest(ApiError):

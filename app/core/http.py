@@ -100,11 +100,16 @@ class OrjsonRoute(APIRoute):
 
 
 def error(
-    status: int, message: str, kind: str, param: str | None = None, **headers: str
+    status: int,
+    message: str,
+    kind: str,
+    param: str | None = None,
+    code: str | None = None,
+    **headers: str,
 ) -> Response:
     """An error response in OpenAI's shape."""
     return OrjsonResponse(
-        error_body(message, kind, param), status_code=status, headers=headers or None
+        error_body(message, kind, param, code), status_code=status, headers=headers or None
     )
 
 
@@ -181,7 +186,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> Response:
-        return error(exc.status, exc.message, exc.kind, exc.param, **exc.headers)
+        return error(exc.status, exc.message, exc.kind, exc.param, exc.code, **exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> Response:

@@ -17,9 +17,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 __all__ = ["BodyLimit", "error_body"]
 
 
-def error_body(message: str, kind: str, param: str | None = None) -> dict[str, object]:
+def error_body(
+    message: str, kind: str, param: str | None = None, code: str | None = None
+) -> dict[str, object]:
     """OpenAI's error shape."""
-    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 class _BodyTooLarge(HTTPException):

@@ -61,8 +61,15 @@ class IngestSettings:
     summary: ClassVar[str]  # the subcommand's help
 
     redis_url: str
+    served_model_name: str | None = _option(
+        None,
+        about="the model the engine serves, as clients name it (its --served-model-name; "
+        "default: none, routers send it any model's requests)",
+    )
 
     def __post_init__(self) -> None:
+        if self.served_model_name == "":
+            raise IngestSettingsError("--served-model-name must not be empty")
         if not self.redis_url:
             raise IngestSettingsError(NO_REDIS)
         try:

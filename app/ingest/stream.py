@@ -30,11 +30,22 @@ def rank_worker_id(worker_id: str, rank: int | None) -> str:
     return worker_id if rank is None else f"{worker_id}-dp{rank}"
 
 
-def registry_entry(source: str, url: str | None, tokens_per_block: int | None) -> dict[str, Any]:
+def registry_entry(
+    source: str, url: str | None, tokens_per_block: int | None, model: str | None = None
+) -> dict[str, Any]:
     """The registry fields of an ingested worker: the engine's URL (where routers send its
     requests), ``device`` and ``source`` the engine (``trtllm``, ``vllm``, ``sglang``), its block
-    size (None: not registered)."""
-    return {"url": url, "device": source, "tokens_per_block": tokens_per_block, "source": source}
+    size (None: not registered), and the model it serves (``--served-model-name``; left out:
+    routers send it any model's requests)."""
+    entry: dict[str, Any] = {
+        "url": url,
+        "device": source,
+        "tokens_per_block": tokens_per_block,
+        "source": source,
+    }
+    if model is not None:
+        entry["model"] = model
+    return entry
 
 
 class Republisher:

@@ -92,6 +92,7 @@ class TrtllmIngest:
         redis: Redis | str,
         *,
         tokens_per_block: int | None = None,
+        model: str | None = None,
         poll_interval_s: float = 0.05,
         http_timeout_s: float = 10.0,
         backoff_max_s: float = 5.0,
@@ -101,6 +102,7 @@ class TrtllmIngest:
         self.worker_id = keys.validate_worker_id(worker_id)
         self.url = url.rstrip("/")
         self.tokens_per_block = tokens_per_block
+        self.model = model
         self.poll_interval_s = poll_interval_s
         self.backoff_max_s = backoff_max_s
         self._redis, self._owns_redis = client_for(redis)
@@ -137,7 +139,7 @@ class TrtllmIngest:
         stream = self._streams.get(rank)
         if stream is not None:
             return stream
-        entry = registry_entry("trtllm", self.url, self.tokens_per_block)
+        entry = registry_entry("trtllm", self.url, self.tokens_per_block, self.model)
         if rank is not None:
             entry["attention_dp_rank"] = rank
         worker_id = rank_worker_id(self.worker_id, rank)
@@ -302,6 +304,7 @@ async def run_trtllm_ingest(settings: TrtllmIngestSettings) -> dict[str, Any]:
         settings.worker_id,
         settings.redis_url,
         tokens_per_block=settings.tokens_per_block,
+        model=settings.served_model_name,
         poll_interval_s=settings.poll_interval_s,
     )
     async with ingest:

@@ -26,8 +26,6 @@ from dataclasses import asdict
 from typing import Annotated, Any
 
 import httpx
-import numpy as np
-import numpy.typing as npt
 import orjson
 from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi.responses import Response, StreamingResponse
@@ -45,7 +43,15 @@ from app.core.lifespan import runtime_of
 from app.core.middleware import BodyLimit, error_body
 from app.router import schemas
 from app.router.core import NoWorkerError
-from app.router.decisions import decide, prompt_words, route_body, routing_of
+from app.router.decisions import (
+    Prompt,
+    chat_prompt,
+    decide,
+    route_body,
+    routing_of,
+    text_prompt,
+    token_prompt,
+)
 from app.router.decisions import explain as explain_workers
 from app.router.fast_path import RouteFastPath
 from app.router.metrics import CONTENT_TYPE
@@ -70,6 +76,11 @@ def _sse(data: Any) -> bytes:
 # -- routes ------------------------------------------------------------------------------------
 
 
+def _session(request: Request, user: str | None) -> str | None:
+    """The request's session: ``x-session-id``, else OpenAI's ``user``."""
+    return request.headers.get("x-session-id") or user
+
+
 def _routing_router() -> APIRouter:
     router = APIRouter(tags=["routing"], route_class=OrjsonRoute)
 
@@ -77,74 +88,157 @@ def _routing_router() -> APIRouter:
         "/route",
         response_model=schemas.RouteResponse | schemas.ExplainResponse,
         summary="Choose a worker for a prompt (nothing is sent; ?explain=true for the details)",
-        responses=error_responses(400, 413, 503),
+        responses=error_responses(400, 404, 413, 503),
     )
     async def route(
-        body: schemas.RouteBody, runtime: Runtime, explain: Annotated[bool, Query()] = False
+        body: schemas.RouteBody,
+        request: Request,
+        runtime: Runtime,
+        explain: Annotated[bool, Query()] = False,
     ) -> Response:
-        prompt = body.prompt_token_ids if body.prompt_token_ids is not None else body.prompt
-        param = "prompt_token_ids" if body.prompt_token_ids is not None else "prompt"
-        assert prompt is not None
-        _, words = prompt_words(runtime, prompt, param)
-        decision, hashes, seconds = decide(runtime, words, body, "", "route")
-        out = route_body(runtime, decision, len(words), seconds)
+        model = runtime.resolve_model(body.model)
+        session = _session(request, body.user)
+        if body.messages is not None:
+            messages = [m.for_template() for m in body.messages]
+            prompt = chat_prompt(runtime, messages, body.render_options(), model, session)
+        elif body.prompt_token_ids is not None:
+            prompt = token_prompt(runtime, body.prompt_token_ids, "prompt_token_ids", model)
+        elif isinstance(body.prompt, str):
+            prompt = text_prompt(runtime, body.prompt, "prompt", model, session)
+        else:
+            assert body.prompt is not None
+            prompt = token_prompt(runtime, body.prompt, "prompt", model)
+        prompt.session = session
+        decision, hashes, seconds = decide(runtime, prompt, body, "", "route")
+        out = route_body(runtime, decision, prompt, seconds)
         if explain:
-            out["workers"] = explain_workers(runtime, decision, hashes)
+            out["workers"] = explain_workers(runtime, decision, hashes, prompt)
         return OrjsonResponse(out)
 
     @router.post(
         "/route/explain",
         response_model=schemas.ExplainResponse,
         summary="Why a prompt would go where it goes: every worker's match per tier, load, cost",
-        responses=error_responses(400, 413, 503),
+        responses=error_responses(400, 404, 413, 503),
     )
-    async def route_explain(body: schemas.RouteBody, runtime: Runtime) -> Response:
-        return await route(body, runtime, explain=True)
+    async def route_explain(
+        body: schemas.RouteBody, request: Request, runtime: Runtime
+    ) -> Response:
+        return await route(body, request, runtime, explain=True)
 
     @router.post(
         "/v1/completions",
         summary="OpenAI completions: routed to the best worker and proxied (streaming too)",
-        responses=error_responses(400, 413, 502, 503),
+        responses=error_responses(400, 404, 413, 502, 503),
     )
-    async def completions(body: schemas.CompletionBody, runtime: Runtime) -> Response:
-        tokens, words = prompt_words(runtime, body.prompt, "prompt")
-        payload = body.model_dump(exclude_unset=True, exclude={"routing"})
-        payload["prompt"] = tokens
-        request_id = body.request_id or f"cmpl-{uuid.uuid4().hex}"
-        if request_id in runtime.core.inflight:
-            raise BadRequest(f"request_id: {request_id!r} is already in flight", param="request_id")
-        payload["request_id"] = request_id
-        return await _proxy(runtime, body, words, payload, request_id)
+    async def completions(
+        body: schemas.CompletionBody, request: Request, runtime: Runtime
+    ) -> Response:
+        model = runtime.resolve_model(body.model)
+        session = _session(request, body.user)
+        if isinstance(body.prompt, str):
+            prompt = text_prompt(runtime, body.prompt, "prompt", model, session)
+        else:
+            prompt = token_prompt(runtime, body.prompt, "prompt", model, session)
+        request_id = _request_id(runtime, body.request_id, "cmpl")
+        sent = body.model_dump(exclude_unset=True, exclude={"routing"})
+        ours = dict(sent, request_id=request_id)
+        if prompt.tokens is not None:
+            ours["prompt"] = prompt.tokens
+        return await _proxy(runtime, body, prompt, request_id, "/v1/completions", ours, sent)
+
+    @router.post(
+        "/v1/chat/completions",
+        summary="OpenAI chat completions: rendered and tokenized as the model's engine does, "
+        "routed to the best worker and proxied (streaming too)",
+        responses=error_responses(400, 404, 413, 502, 503),
+    )
+    async def chat_completions(
+        body: schemas.ChatBody, request: Request, runtime: Runtime
+    ) -> Response:
+        model = runtime.resolve_model(body.model)
+        session = _session(request, body.user)
+        if body.prompt_token_ids is not None:
+            prompt = token_prompt(runtime, body.prompt_token_ids, "prompt_token_ids", model)
+            prompt.session = session
+        else:
+            messages = body.template_messages()
+            prompt = chat_prompt(runtime, messages, body.render_options(), model, session)
+        request_id = _request_id(runtime, body.request_id, "chatcmpl")
+        sent = body.model_dump(exclude_unset=True, exclude={"routing"})
+        ours = dict(sent, request_id=request_id)
+        if prompt.tokens is not None:
+            ours["prompt_token_ids"] = prompt.tokens
+        path = "/v1/chat/completions"
+        return await _proxy(runtime, body, prompt, request_id, path, ours, sent)
+
+    @router.get(
+        "/v1/models",
+        response_model=schemas.ModelList,
+        summary="OpenAI's model list: each model at least one worker serving it is up",
+    )
+    async def models(runtime: Runtime) -> Response:
+        created = int(runtime.started_at)
+        return OrjsonResponse(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": name,
+                        "object": "model",
+                        "created": created,
+                        "owned_by": "kvmesh",
+                        "workers": len(workers),
+                    }
+                    for name, workers in sorted(runtime.core.models().items())
+                ],
+            }
+        )
 
     return router
 
 
+def _request_id(runtime: RouterRuntime, given: str | None, prefix: str) -> str:
+    request_id = given or f"{prefix}-{uuid.uuid4().hex}"
+    if request_id in runtime.core.inflight:
+        raise BadRequest(f"request_id: {request_id!r} is already in flight", param="request_id")
+    return request_id
+
+
 async def _proxy(
     runtime: RouterRuntime,
-    body: schemas.CompletionBody,
-    words: npt.NDArray[np.uint32],
-    payload: dict[str, Any],
+    body: schemas.CompletionBody | schemas.ChatBody,
+    prompt: Prompt,
     request_id: str,
+    path: str,
+    ours: dict[str, Any],
+    sent: dict[str, Any],
 ) -> Response:
-    """Send to the best worker; once more to the next best if the first fails before answering."""
+    """Send to the best worker; once more to the next best if the first fails before
+    answering. A kvmesh worker gets ``ours`` (the router's token ids and request id), an
+    engine behind ``kvmesh ingest`` the client's body as it came (``sent``, less ``routing``):
+    it tokenizes the prompt itself."""
     core = runtime.core
     metrics = runtime.metrics
-    content = orjson.dumps(payload)
+    contents = {False: orjson.dumps(ours), True: orjson.dumps(sent)}
     tried: list[str] = []
     failures: list[str] = []
     for _attempt in range(2):
         decision, hashes, _ = decide(
-            runtime, words, body, request_id, "completion", exclude=tuple(tried)
+            runtime, prompt, body, request_id, "completion", exclude=tuple(tried)
         )
         worker = decision.worker
         tried.append(worker)
         view = core.workers[worker]
-        url = f"{view.url}/v1/completions"
-        core.begin(request_id, decision, hashes, len(words))
+        url = f"{view.url}{path}"
+        core.begin(request_id, decision, hashes, prompt.num_tokens, prompt.session)
         try:
             upstream = await runtime.http.send(
                 runtime.http.build_request(
-                    "POST", url, content=content, headers={"content-type": "application/json"}
+                    "POST",
+                    url,
+                    content=contents[view.foreign],
+                    headers={"content-type": "application/json"},
                 ),
                 stream=True,
             )

@@ -12,7 +12,12 @@ responses; replay from its in-process cluster. The core owns:
 * the predicted cache: right after a decision the chosen worker is assumed to hold the request's
   blocks for ``predict_ttl_s``, until its ``stored`` events reach the index, so that a burst of
   requests sharing a new prefix lands together instead of scattering;
-* the policy state (seeded random generator, round-robin position).
+* the policy state (seeded random generator, round-robin position);
+* sessions: the worker each session's last request went to (``x-session-id`` or OpenAI's
+  ``user``), for kv_aware's soft affinity, the most recent ``MAX_SESSIONS`` kept.
+
+Each worker serves one model (its registry entry's ``model``); a request naming a model is
+routed among that model's workers (and those that named none).
 
 A request's life: ``decide`` -> ``begin`` (counts it in flight, predicts its blocks) ->
 ``prefilled`` (its first token came back) -> ``finish`` (the response ended, well or not).
@@ -25,7 +30,7 @@ index's match ends: one dict probe per extra block, none when the prediction add
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -47,6 +52,7 @@ __all__ = ["InFlight", "NoWorkerError", "RouterCore", "RoutingState", "WorkerVie
 
 RoutingState = Literal["up", "stale", "draining", "cordoned"]
 _NO_MATCH = (0, 0)
+MAX_SESSIONS = 100_000
 
 
 class NoWorkerError(Exception):
@@ -57,6 +63,8 @@ class NoWorkerError(Exception):
 class WorkerView:
     worker: str
     url: str | None = None
+    model: str | None = None  # the model it serves (None: any; an engine ingested unnamed)
+    foreign: bool = False  # an engine behind kvmesh ingest: it takes the client's body as sent
     capacity_blocks: int = 0
     draining: bool = False  # the worker said so in its registry entry
     cordon: str | None = None  # "cordoned" or "draining": an operator's (app.cluster.fleet)
@@ -116,6 +124,7 @@ class WorkerView:
         return {
             "worker": self.worker,
             "url": self.url,
+            "model": self.model,
             "state": self.state,
             "stale_reason": self.stale_reason,
             "capacity_blocks": self.capacity_blocks,
@@ -164,6 +173,8 @@ class RouterCore:
         self.workers: dict[str, WorkerView] = {}
         self._order: list[str] = []  # worker ids, sorted: every router sees the same list
         self.inflight: dict[str, InFlight] = {}
+        self.sessions: OrderedDict[str, str] = OrderedDict()  # session -> its last worker
+        self._named: list[str] | None = None  # the models named, sorted (cached)
         # worker -> block hash -> expiry; expiry order for purging.
         self._predicted: dict[str, dict[int, float]] = {}
         self._expiries: deque[tuple[float, str, Sequence[int]]] = deque()
@@ -178,12 +189,18 @@ class RouterCore:
         capacity_blocks: int = 0,
         draining: bool = False,
         cordon: str | None = None,
+        model: str | None = None,
+        foreign: bool = False,
     ) -> WorkerView:
         view = self.workers.get(worker)
         if view is None:
             view = self.workers[worker] = WorkerView(worker)
             self._order = sorted(self.workers)
         view.url = url
+        if model != view.model:
+            self._named = None
+        view.model = model
+        view.foreign = foreign
         if capacity_blocks != view.capacity_blocks:
             view.capacity_blocks = capacity_blocks
             view.changed()
@@ -195,6 +212,7 @@ class RouterCore:
         """Stop routing to ``worker`` (its in-flight requests stay counted until they finish)."""
         if self.workers.pop(worker, None) is not None:
             self._order = sorted(self.workers)
+            self._named = None
         self._predicted.pop(worker, None)
 
     def set_load(self, worker: str, load: dict[str, int]) -> None:
@@ -232,10 +250,13 @@ class RouterCore:
         *,
         exclude: Iterable[str] = (),
         tree_sizes: bool = True,
+        model: str | None = None,
+        session: str | None = None,
     ) -> list[Candidate]:
-        """One ``Candidate`` per worker that may take a request (admitting, not excluded),
-        in worker-id order so that every router sees the same list. ``tree_sizes=False``
-        leaves ``cached_blocks`` 0 (a policy that reads it declares so: ``needs_tree_sizes``)."""
+        """One ``Candidate`` per worker that may take a request (admitting, not excluded,
+        serving ``model`` if one is named), in worker-id order so that every router sees the
+        same list. ``tree_sizes=False`` leaves ``cached_blocks`` 0 (a policy that reads it
+        declares so: ``needs_tree_sizes``); ``session``'s last worker is marked."""
         predictions = self._predicted
         now = 0.0
         if predictions:
@@ -244,10 +265,13 @@ class RouterCore:
         skip = set(exclude) if exclude else ()
         matches = self.index.find_matches_by_tier(block_hashes) if block_hashes else {}
         num_blocks = len(block_hashes)
+        session_worker = self.sessions.get(session) if session is not None else None
         out: list[Candidate] = []
         for worker in self._order:
             view = self.workers[worker]
             if not view.admitting or worker in skip:
+                continue
+            if model is not None and view.model is not None and view.model != model:
                 continue
             depth, gpu = matches.get(worker, _NO_MATCH)
             host = depth - gpu
@@ -269,6 +293,7 @@ class RouterCore:
                     capacity_blocks=view.capacity_blocks,
                     cached_blocks=self._num_cached(worker) if tree_sizes else 0,
                     fresh=view.stale_reason is None,
+                    session=worker == session_worker,
                 )
             )
         return out
@@ -287,37 +312,62 @@ class RouterCore:
         policy: str | None = None,
         weights: Weights | None = None,
         exclude: Iterable[str] = (),
+        model: str | None = None,
+        session: str | None = None,
     ) -> Decision:
         """Choose a worker for a prompt of ``num_tokens`` tokens whose full blocks hash to
-        ``block_hashes``. Changes nothing but the policy state; ``begin`` records the choice."""
+        ``block_hashes``, among ``model``'s workers. Changes nothing but the policy state;
+        ``begin`` records the choice."""
         chosen = policy_named(policy or self.policy)
         candidates = self.candidates(
-            block_hashes, exclude=exclude, tree_sizes=chosen.needs_tree_sizes
+            block_hashes,
+            exclude=exclude,
+            tree_sizes=chosen.needs_tree_sizes,
+            model=model,
+            session=session,
         )
         if not candidates:
-            raise NoWorkerError(self._why_none(exclude))
+            raise NoWorkerError(self._why_none(exclude, model))
         request = RouteRequest(
             num_tokens, self.tokens_per_block, block_hashes[-1] if block_hashes else num_tokens
         )
         return chosen(request, candidates, weights or self.weights, self.state)
 
-    def _why_none(self, exclude: Iterable[str]) -> str:
+    def _why_none(self, exclude: Iterable[str], model: str | None = None) -> str:
         """Why no worker can take a request, in the words of a 503."""
         if not self.workers:
             return "no worker is up"
         skip = set(exclude)
-        left = [view for worker, view in self.workers.items() if worker not in skip]
+        left = [
+            view
+            for worker, view in self.workers.items()
+            if worker not in skip and (model is None or view.model in (None, model))
+        ]
+        if not left and model is not None:
+            return f"no worker serving {model!r} is up"
         if left and not any(view.admitting for view in left):
             return "every worker is draining or cordoned"
         return "no worker is left"
 
     def begin(
-        self, request_id: str, decision: Decision, block_hashes: Sequence[int], num_tokens: int
+        self,
+        request_id: str,
+        decision: Decision,
+        block_hashes: Sequence[int],
+        num_tokens: int,
+        session: str | None = None,
     ) -> InFlight:
-        """Count a request sent to ``decision.worker`` as in flight, and predict its blocks."""
+        """Count a request sent to ``decision.worker`` as in flight, predict its blocks, and
+        remember the worker as its session's."""
         if request_id in self.inflight:
             raise ValueError(f"request_id: {request_id!r} is already in flight")
         worker = decision.worker
+        if session is not None:
+            sessions = self.sessions
+            sessions[session] = worker
+            sessions.move_to_end(session)
+            if len(sessions) > MAX_SESSIONS:
+                sessions.popitem(last=False)
         flight = InFlight(
             request_id,
             worker,
@@ -358,6 +408,27 @@ class RouterCore:
             view.inflight_running -= 1
             view.inflight_blocks -= flight.blocks
             view.changed()
+
+    def models(self) -> dict[str, list[str]]:
+        """Each named model -> its workers that are up (``GET /v1/models``)."""
+        out: dict[str, list[str]] = {}
+        for worker in self._order:
+            view = self.workers[worker]
+            if view.model is not None and view.state == "up":
+                out.setdefault(view.model, []).append(worker)
+        return out
+
+    def named_models(self) -> list[str]:
+        """The models the workers name (any state), sorted."""
+        named = self._named
+        if named is None:
+            models = {view.model for view in self.workers.values()}
+            named = self._named = sorted(m for m in models if m is not None)
+        return named
+
+    def serves(self, model: str) -> bool:
+        """Whether any worker this core knows (in any state) can take ``model``'s requests."""
+        return any(view.model in (None, model) for view in self.workers.values())
 
     # -- the predicted cache -------------------------------------------------------------------
 

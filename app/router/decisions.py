@@ -1,43 +1,69 @@
 """The HTTP-free steps of a routing request, shared by the FastAPI routes and the fast path of
-``POST /route``: the prompt as token ids (text through the tokenizer) and as the words the
-hasher reads, per-request routing overrides, the decision (observed by the metrics and the
-decision hooks), and the ``/route`` answer. Errors are ``app.core.errors.BadRequest`` naming
-the field, and the core's ``NoWorkerError``.
+``POST /route``: the prompt (token ids, text or a chat, through its model's tokenizer) as a
+``Prompt`` (the words the hasher reads, its model and session), per-request routing overrides,
+the decision (observed by the metrics and the decision hooks), and the ``/route`` answer.
+Errors are ``app.core.errors.BadRequest`` naming the field, and the core's ``NoWorkerError``.
 """
 
 from __future__ import annotations
 
 import time
 from array import array
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
+from app.chat import ChatTemplateError
 from app.core.errors import BadRequest
 from app.router import schemas
 from app.router.policies import Candidate, Decision, Weights
 from app.router.runtime import RouterRuntime
 
-__all__ = ["decide", "explain", "prompt_words", "route_body", "routing_of"]
+__all__ = [
+    "Prompt",
+    "chat_prompt",
+    "decide",
+    "explain",
+    "route_body",
+    "routing_of",
+    "text_prompt",
+    "token_prompt",
+]
 
 
-def prompt_words(
-    runtime: RouterRuntime, prompt: str | list[int], param: str
-) -> tuple[list[int], npt.NDArray[np.uint32]]:
-    """The prompt as token ids, and as the uint32 words the hasher reads (one C-level pass,
-    which is also the range check)."""
-    if isinstance(prompt, str):
-        if runtime.tokenizer is None:
-            raise BadRequest(
-                f"{param}: text prompts need the router's tokenizer (--tokenizer); "
-                "send token ids instead",
-                param=param,
-            )
-        tokens = runtime.tokenize(prompt)
-    else:
-        tokens = prompt
+@dataclass(slots=True)
+class Prompt:
+    """A request's prompt as the router places it: the words the hasher reads (none when the
+    router has no tokenizer for its model: then it is placed by load alone, and ``note`` says
+    so), its length in tokens (estimated from its text when not tokenized), its model and its
+    session."""
+
+    words: npt.NDArray[np.uint32]
+    num_tokens: int
+    tokens: list[int] | None
+    model: str | None = None
+    session: str | None = None
+    note: str | None = None
+
+    @property
+    def tokenized(self) -> bool:
+        return self.tokens is not None
+
+
+_NO_WORDS: npt.NDArray[np.uint32] = np.zeros(0, dtype=np.uint32)
+_CHARS_PER_TOKEN = 4  # an untokenized prompt's length, for load accounting only
+
+
+def token_prompt(
+    runtime: RouterRuntime,
+    tokens: list[int],
+    param: str,
+    model: str | None = None,
+    session: str | None = None,
+) -> Prompt:
+    """A prompt of token ids, checked (length, range: one C-level pass)."""
     if not tokens:
         raise BadRequest(f"{param}: must hold at least one token", param=param)
     if len(tokens) > runtime.settings.max_prompt_tokens:
@@ -50,7 +76,54 @@ def prompt_words(
         words = np.frombuffer(array("I", tokens), dtype=np.uint32)
     except OverflowError:
         raise BadRequest(f"{param}: token ids must be within 0..2**32-1", param=param) from None
-    return tokens, words
+    return Prompt(words, len(tokens), tokens, model, session)
+
+
+def _untokenized(text_length: int, model: str | None, session: str | None) -> Prompt:
+    which = f"model {model!r}" if model is not None else "this request"
+    note = (
+        f"routed by load only: the router has no tokenizer for {which} (--model NAME=DIR or "
+        "--tokenizer), so it cannot tell which worker holds its prefix"
+    )
+    return Prompt(_NO_WORDS, max(text_length // _CHARS_PER_TOKEN, 1), None, model, session, note)
+
+
+def text_prompt(
+    runtime: RouterRuntime,
+    text: str,
+    param: str,
+    model: str | None = None,
+    session: str | None = None,
+) -> Prompt:
+    """A text prompt, encoded as the engine encodes it (with the model's special tokens)."""
+    tokenizer = runtime.tokenizer_for(model)
+    if tokenizer is None:
+        return _untokenized(len(text), model, session)
+    return token_prompt(runtime, tokenizer.encode_text(text), param, model, session)
+
+
+def chat_prompt(
+    runtime: RouterRuntime,
+    messages: list[dict[str, Any]],
+    options: dict[str, Any],
+    model: str | None = None,
+    session: str | None = None,
+) -> Prompt:
+    """A chat, rendered by the model's template and encoded as the engine does."""
+    tokenizer = runtime.tokenizer_for(model)
+    if tokenizer is None or not tokenizer.has_chat_template:
+        size = sum(len(str(m.get("content") or "")) for m in messages)
+        prompt = _untokenized(size, model, session)
+        if tokenizer is not None:
+            prompt.note = (
+                f"routed by load only: the tokenizer at {tokenizer.path} has no chat template"
+            )
+        return prompt
+    try:
+        tokens = tokenizer.encode_chat(messages, **options)
+    except ChatTemplateError as exc:
+        raise BadRequest(f"messages: {exc}", param="messages") from None
+    return token_prompt(runtime, tokens, "messages", model, session)
 
 
 def routing_of(runtime: RouterRuntime, routing: schemas.Routing | None) -> tuple[str, Weights]:
@@ -68,46 +141,67 @@ def routing_of(runtime: RouterRuntime, routing: schemas.Routing | None) -> tuple
 
 def decide(
     runtime: RouterRuntime,
-    words: npt.NDArray[np.uint32],
-    fields: schemas.PromptFields,
+    prompt: Prompt,
+    fields: schemas.PromptFields | schemas.ChatBody,
     request_id: str,
     kind: str,
     *,
     exclude: tuple[str, ...] = (),
 ) -> tuple[Decision, list[int], float]:
-    """Hash the prompt and choose; (decision, block hashes, seconds it took)."""
+    """Hash the prompt and choose among its model's workers; (decision, block hashes,
+    seconds it took)."""
     start = time.perf_counter()
     core = runtime.core
     policy, weights = routing_of(runtime, fields.routing)
-    hashes = core.hashes(words, lora_task_id=fields.lora_task_id, cache_salt=fields.cache_salt)
-    decision = core.decide(hashes, len(words), policy=policy, weights=weights, exclude=exclude)
+    hashes = (
+        core.hashes(prompt.words, lora_task_id=fields.lora_task_id, cache_salt=fields.cache_salt)
+        if prompt.tokens is not None
+        else []
+    )
+    decision = core.decide(
+        hashes,
+        prompt.num_tokens,
+        policy=policy,
+        weights=weights,
+        exclude=exclude,
+        model=prompt.model,
+        session=prompt.session,
+    )
     elapsed = time.perf_counter() - start
-    runtime.metrics.observe_decision(decision, elapsed, len(words))
-    runtime.on_decision(request_id, kind, decision, len(words), hashes)
+    runtime.metrics.observe_decision(decision, elapsed, prompt.num_tokens)
+    runtime.on_decision(request_id, kind, decision, prompt.num_tokens, hashes)
     return decision, hashes, elapsed
 
 
 def route_body(
-    runtime: RouterRuntime, decision: Decision, num_tokens: int, seconds: float
+    runtime: RouterRuntime, decision: Decision, prompt: Prompt, seconds: float
 ) -> dict[str, Any]:
     view = runtime.core.workers.get(decision.worker)
+    num_tokens = prompt.num_tokens
     return {
         "worker": decision.worker,
         "url": view.url if view is not None else None,
+        "model": view.model if view is not None else prompt.model,
         "policy": decision.policy,
         "expected_cached_tokens": decision.expected_cached_tokens,
         "fresh": decision.fresh,
+        "tokenized": prompt.tokenized,
+        "note": prompt.note,
         "num_tokens": num_tokens,
-        "num_blocks": num_tokens // runtime.core.tokens_per_block,
+        "num_blocks": num_tokens // runtime.core.tokens_per_block if prompt.tokenized else 0,
         "decision_us": round(seconds * 1e6, 3),
         "costs": decision.costs,  # dataclasses: orjson writes them as objects
     }
 
 
-def explain(runtime: RouterRuntime, decision: Decision, hashes: list[int]) -> list[dict[str, Any]]:
+def explain(
+    runtime: RouterRuntime, decision: Decision, hashes: list[int], prompt: Prompt
+) -> list[dict[str, Any]]:
     core = runtime.core
     by_tier = core.index.find_matches_by_tier(hashes) if hashes else {}
-    candidates: dict[str, Candidate] = {c.worker: c for c in core.candidates(hashes)}
+    candidates: dict[str, Candidate] = {
+        c.worker: c for c in core.candidates(hashes, model=prompt.model, session=prompt.session)
+    }
     out: list[dict[str, Any]] = []
     for cost in decision.costs:
         c = candidates.get(cost.worker) or Candidate(worker=cost.worker)
@@ -117,6 +211,8 @@ def explain(runtime: RouterRuntime, decision: Decision, hashes: list[int]) -> li
             {
                 "worker": cost.worker,
                 "state": view.state if view is not None else "gone",
+                "model": view.model if view is not None else None,
+                "session": c.session,
                 "stale_reason": view.stale_reason if view is not None else None,
                 "matched_blocks": c.matched_blocks,
                 "index_blocks": depth,

@@ -17,7 +17,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.router import schemas
 from app.router.core import NoWorkerError
-from app.router.decisions import decide, route_body
+from app.router.decisions import Prompt, decide, route_body
 from app.router.runtime import RouterRuntime
 
 __all__ = ["RouteFastPath"]
@@ -109,6 +109,8 @@ def _fast_route(runtime: RouterRuntime, body: bytes) -> bytes | None:
         return None
     if ("prompt" in data) == ("prompt_token_ids" in data):
         return None
+    if len(runtime.core.named_models()) > 1:  # the request must name its model: the route says
+        return None
     tokens = data.get("prompt_token_ids", data.get("prompt"))
     lora, salt = data.get("lora_task_id"), data.get("cache_salt")
     if (
@@ -124,7 +126,8 @@ def _fast_route(runtime: RouterRuntime, body: bytes) -> bytes | None:
         return None
     fields = schemas.PromptFields.model_construct(lora_task_id=lora, cache_salt=salt, routing=None)
     try:
-        decision, _, seconds = decide(runtime, words, fields, "", "route")
+        prompt = Prompt(words, len(tokens), tokens)
+        decision, _, seconds = decide(runtime, prompt, fields, "", "route")
     except NoWorkerError:
         return None  # the FastAPI route answers the 503, with its Retry-After
-    return orjson.dumps(route_body(runtime, decision, len(words), seconds))
+    return orjson.dumps(route_body(runtime, decision, prompt, seconds))

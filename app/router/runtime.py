@@ -3,7 +3,8 @@
 ``RouterRuntime.start(settings)`` builds (nothing at import time; a Redis that refuses the URL's
 credentials stops it, see ``app.core.redis``): a ``ClusterView`` (``app.cluster``: every worker
 as Redis tells it, kept current by its consumer and sync tasks), a ``RouterCore`` deciding on
-the view's index, the HTTP client that proxies to workers, and the tokenizer for text prompts.
+the view's index, the HTTP client that proxies to workers, and each model's tokenizer for its
+text and chat prompts (``--model NAME=DIR``; ``--tokenizer`` for the models it does not name).
 After each of the view's sync rounds the runtime copies its members into the core
 (``_apply_view``): URL, capacity, load, draining, an operator's cordon, and why the data is
 stale if it is. A worker registered with another block size than the router hashes with is not
@@ -16,6 +17,7 @@ asks the worker itself to drain or resume.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -23,9 +25,10 @@ from typing import Any
 
 import httpx
 
+from app.chat import ModelTokenizer
 from app.cluster.fleet import CordonState
 from app.cluster.view import ClusterView, ViewConfig
-from app.core.errors import NotFound, Unavailable
+from app.core.errors import BadRequest, NotFound, Unavailable
 from app.router.core import RouterCore
 from app.router.metrics import RouterMetrics
 from app.router.policies import Decision
@@ -74,7 +77,8 @@ class RouterRuntime:
             timeout=httpx.Timeout(settings.proxy_timeout_s, connect=settings.connect_timeout_s),
             limits=httpx.Limits(max_connections=1_024, max_keepalive_connections=256),
         )
-        self.tokenizer: Any = None
+        self.tokenizers: dict[str, ModelTokenizer] = {}  # --model NAME=DIR
+        self.default_tokenizer: ModelTokenizer | None = None  # --tokenizer
         self.started_at = time.time()
         self.metrics = RouterMetrics(self.core, view)
         view.sync_hooks.append(self._apply_view)
@@ -85,10 +89,12 @@ class RouterRuntime:
             raise ValueError("redis_url: the router reads the workers' streams; give their Redis")
         view = await ClusterView.connect(settings.redis_url, view_config(settings), name="router")
         runtime = cls(settings, view)
+        for name, path in settings.model_paths().items():
+            runtime.tokenizers[name] = await asyncio.to_thread(ModelTokenizer.load, path)
         if settings.tokenizer is not None:
-            from tokenizers import Tokenizer
-
-            runtime.tokenizer = Tokenizer.from_file(settings.tokenizer)
+            runtime.default_tokenizer = await asyncio.to_thread(
+                ModelTokenizer.load, settings.tokenizer
+            )
         await view.start()
         logger.info("router: started")
         return runtime
@@ -121,9 +127,12 @@ class RouterRuntime:
             if not self._compatible(worker, member.tokens_per_block):
                 core.remove_worker(worker)
                 continue
+            model = member.info.get("model")
             view = core.upsert_worker(
                 worker,
                 url=member.url,
+                model=model if isinstance(model, str) and model else None,
+                foreign=bool(member.info.get("source")),
                 capacity_blocks=member.capacity_blocks,
                 draining=member.draining,
                 cordon=member.cordon.state if member.cordon is not None else None,
@@ -162,9 +171,35 @@ class RouterRuntime:
         for hook in self.decision_hooks:
             hook(request_id, kind, decision, num_tokens, block_hashes)
 
-    def tokenize(self, text: str) -> list[int]:
-        ids: list[int] = self.tokenizer.encode(text, add_special_tokens=False).ids
-        return ids
+    def tokenizer_for(self, model: str | None) -> ModelTokenizer | None:
+        """The tokenizer of ``model``'s prompts: its own (``--model``), else ``--tokenizer``'s;
+        a request naming no model uses the only ``--model`` there is, if one."""
+        if model is not None and model in self.tokenizers:
+            return self.tokenizers[model]
+        if model is None and self.default_tokenizer is None and len(self.tokenizers) == 1:
+            return next(iter(self.tokenizers.values()))
+        return self.default_tokenizer
+
+    def resolve_model(self, name: str | None) -> str | None:
+        """The model a request is for: the one it names (NotFound, in OpenAI's words, when no
+        worker serves it), or when it names none the only one served (None: any worker)."""
+        core = self.core
+        if name is None:
+            named = core.named_models()
+            if len(named) > 1:
+                raise BadRequest(
+                    f"model: this router serves several models ({', '.join(named)}); name one",
+                    param="model",
+                )
+            return named[0] if named else None
+        if core.workers and not core.serves(name):
+            raise NotFound(
+                f"The model `{name}` does not exist (no worker serves it; GET /v1/models lists "
+                "those that are served).",
+                param="model",
+                code="model_not_found",
+            )
+        return name
 
     # -- fleet admin ---------------------------------------------------------------------------
 

@@ -12,6 +12,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from app.chat import ChatCompletionRequest, ChatMessage
+from app.chat.schemas import template_tools
 from app.router.settings import PolicyName
 
 MAX_U64 = (1 << 64) - 1
@@ -30,6 +32,7 @@ class WeightsOverride(BaseModel):
     sglang_cache_threshold: float | None = Field(None, ge=0, le=1)
     sglang_balance_abs: int | None = Field(None, ge=0)
     sglang_balance_rel: float | None = Field(None, ge=1, allow_inf_nan=False)
+    session: float | None = Field(None, ge=0, allow_inf_nan=False)
 
 
 class Routing(BaseModel):
@@ -50,18 +53,39 @@ class PromptFields(BaseModel):
 
 
 class RouteBody(PromptFields):
+    """A prompt to place: token ids, text, or a chat (``messages`` and the chat request's
+    rendering fields), with its model and session."""
+
     model_config = ConfigDict(extra="forbid")
 
+    model: str | None = Field(None, description="the model (optional when one is served)")
+    user: str | None = Field(None, description="the session, unless x-session-id gives one")
     prompt_token_ids: list[int] | None = Field(None, description="the prompt as token ids")
     prompt: str | list[int] | None = Field(
-        None, description="the prompt as text (needs the router's tokenizer) or token ids"
+        None, description="the prompt as text (the model's tokenizer encodes it) or token ids"
     )
+    messages: list[ChatMessage] | None = Field(
+        None, min_length=1, description="a chat, rendered by the model's chat template"
+    )
+    tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
     @model_validator(mode="after")
     def _one_prompt(self) -> RouteBody:
-        if (self.prompt_token_ids is None) == (self.prompt is None):
-            raise ValueError("give exactly one of prompt_token_ids and prompt")
+        given = [self.prompt_token_ids, self.prompt, self.messages]
+        if sum(value is not None for value in given) != 1:
+            raise ValueError("give exactly one of prompt_token_ids, prompt and messages")
         return self
+
+    def render_options(self) -> dict[str, Any]:
+        return {
+            "tools": template_tools(self.tools),
+            "add_generation_prompt": self.add_generation_prompt and not self.continue_final_message,
+            "continue_final_message": self.continue_final_message,
+            "template_kwargs": self.chat_template_kwargs,
+        }
 
 
 class CompletionBody(PromptFields):
@@ -69,11 +93,31 @@ class CompletionBody(PromptFields):
 
     model_config = ConfigDict(extra="allow")
 
-    model: str | None = None
+    model: str | None = Field(None, description="the model (optional when one is served)")
+    user: str | None = Field(None, description="the end user; the session, for routing")
     prompt: str | list[int] = Field(description="token ids, or text (the router tokenizes it)")
     max_tokens: int = Field(16, ge=1)
     stream: bool = False
     request_id: str | None = Field(None, min_length=1, max_length=128)
+
+
+class ChatBody(ChatCompletionRequest):
+    """OpenAI's chat completion request (``app.chat``), plus kvmesh's ``routing``."""
+
+    routing: Routing | None = Field(None, description="kvmesh: policy and weights override")
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: str = "model"
+    created: int
+    owned_by: str = "kvmesh"
+    workers: int = Field(description="kvmesh: workers up serving it")
+
+
+class ModelList(BaseModel):
+    object: str = "list"
+    data: list[ModelCard]
 
 
 class CostOut(BaseModel):
@@ -83,15 +127,19 @@ class CostOut(BaseModel):
     prefill_tokens: float = Field(description="the request's own prefill work there")
     load: float = Field(description="the load term the policy used")
     fresh: bool = Field(description="whether this worker's index data and load were current")
+    affinity: float = Field(0.0, description="kv_aware: what session affinity took off the cost")
 
 
 class RouteResponse(BaseModel):
     worker: str
     url: str | None
+    model: str | None = Field(description="the model the chosen worker serves")
     policy: str
     expected_cached_tokens: int
     fresh: bool = Field(description="whether the chosen worker's data was current")
-    num_tokens: int
+    tokenized: bool = Field(description="false: no tokenizer for the model, placed by load only")
+    note: str | None = Field(description="why the prompt was not tokenized, if it was not")
+    num_tokens: int = Field(description="prompt tokens (estimated from the text if not tokenized)")
     num_blocks: int
     decision_us: float
     costs: list[CostOut]
@@ -100,6 +148,8 @@ class RouteResponse(BaseModel):
 class ExplainWorker(BaseModel):
     worker: str
     state: str
+    model: str | None
+    session: bool = Field(description="it served the request's session last")
     stale_reason: str | None
     matched_blocks: int = Field(description="leading blocks held, index and predicted")
     index_blocks: int = Field(description="leading blocks the index says it holds, any tier")

@@ -3,17 +3,18 @@
 Every field is also a ``kvmesh router`` flag (``--load-weight`` for ``load_weight``; ``app.cli``
 builds the flags from this model), except the admin token (``KVMESH_ADMIN_TOKEN`` only, so that
 it never shows in a process list). A flag wins over the variable, the variable over the default.
-A ``--tokenizer`` that is missing or does not load is refused here, before anything starts.
+A ``--tokenizer`` or ``--model NAME=DIR`` that is missing or does not load is refused here,
+before anything starts.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
-from pydantic_settings import SettingsConfigDict
+from pydantic_settings import NoDecode, SettingsConfigDict
 
+from app.chat import ModelTokenizer, TokenizerLoadError
 from app.core.settings import Settings
 from app.router.policies import Weights
 
@@ -49,10 +50,22 @@ class RouterSettings(Settings):
     tokens_per_block: int | None = Field(
         None, ge=1, description="block size to hash prompts with (default: the workers')"
     )
+    models: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="NAME=DIR: model NAME's Hugging Face tokenizer directory, for its text and "
+        "chat prompts; repeat for each model (KVMESH_MODELS: a comma list)",
+        json_schema_extra={"metavar": "NAME=DIR"},
+    )
     tokenizer: str | None = Field(
         None,
-        description="a Hugging Face tokenizer.json for text prompts (default: none; token ids "
-        "need none)",
+        description="a tokenizer directory or tokenizer.json for the models --model does not "
+        "name (default: none; token ids need none, other prompts are routed by load only)",
+    )
+    session_weight: float = Field(
+        0.1,
+        ge=0,
+        description="kv_aware: a session's last worker is preferred by this fraction of the "
+        "prompt's prefill (x-session-id or user; 0: off)",
     )
     load_interval_s: float = Field(0.1, gt=0, description="how often to read the workers' load")
     sync_interval_s: float = Field(0.05, gt=0, description="how often to take the consumer's view")
@@ -76,25 +89,36 @@ class RouterSettings(Settings):
     @field_validator("tokenizer")
     @classmethod
     def _tokenizer_loads(cls, value: str | None) -> str | None:
-        # Loaded once here and once more by the router at start (it is small): the settings
-        # stay plain data, and a bad file is one line at start, not a traceback from serving.
-        if value is None:
-            return None
-        path = Path(value)
-        if not path.exists():
-            raise ValueError(f"{value}: no such file")
-        if not path.is_file():
-            raise ValueError(f"{value}: not a file")
-        from tokenizers import Tokenizer
-
-        try:
-            Tokenizer.from_file(value)
-        except Exception as exc:  # tokenizers raises a bare Exception for any parse error
-            reason = " ".join(str(exc).split())
-            raise ValueError(
-                f"{value}: not a tokenizer.json the tokenizers library can load ({reason})"
-            ) from None
+        # Loaded once here and once more by the router at start: the settings stay plain
+        # data, and a bad path is one line at start, not a traceback from serving.
+        if value is not None:
+            _load(value)
         return value
+
+    @field_validator("models", mode="before")
+    @classmethod
+    def _comma_list(cls, value: object) -> object:
+        if isinstance(value, str):  # KVMESH_MODELS=a=/dir/a,b=/dir/b
+            return [item.strip() for item in value.split(",") if item.strip()]
+        return value
+
+    @field_validator("models")
+    @classmethod
+    def _models_load(cls, value: list[str]) -> list[str]:
+        names: set[str] = set()
+        for item in value:
+            name, sep, path = item.partition("=")
+            if not sep or not name or not path:
+                raise ValueError(f"{item!r}: expected NAME=DIR")
+            if name in names:
+                raise ValueError(f"{name}: named twice")
+            names.add(name)
+            _load(path)
+        return value
+
+    def model_paths(self) -> dict[str, str]:
+        """Model name -> its tokenizer's path (``--model``)."""
+        return dict(item.partition("=")[::2] for item in self.models)
 
     @model_validator(mode="after")
     def _weights_valid(self) -> RouterSettings:
@@ -111,4 +135,12 @@ class RouterSettings(Settings):
             sglang_cache_threshold=self.sglang_cache_threshold,
             sglang_balance_abs=self.sglang_balance_abs,
             sglang_balance_rel=self.sglang_balance_rel,
+            session=self.session_weight,
         )
+
+
+def _load(path: str) -> None:
+    try:
+        ModelTokenizer.load(path)
+    except TokenizerLoadError as exc:
+        raise ValueError(str(exc)) from None

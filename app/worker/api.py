@@ -31,6 +31,7 @@ import orjson
 from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi.responses import Response, StreamingResponse
 
+from app.chat import ChatCompletionRequest
 from app.core.errors import Conflict, NotFound
 from app.core.http import (
     OrjsonResponse,
@@ -43,7 +44,8 @@ from app.core.http import (
 from app.core.lifespan import runtime_of
 from app.core.middleware import BodyLimit
 from app.worker import schemas
-from app.worker.completions import completion_body, make_job
+from app.worker.chat import chat_body, chat_job, chat_stream
+from app.worker.completions import completion_body, make_job, timings_of
 from app.worker.engine import DrainingError, DuplicateJobError, EngineError, Job, QueueFullError
 from app.worker.metrics import CONTENT_TYPE
 from app.worker.runtime import WorkerRuntime
@@ -79,7 +81,7 @@ async def _stream(runtime: WorkerRuntime, job: Job, created: int) -> AsyncIterat
     """One chunk per engine step (tokens produced since the last chunk), a last chunk with the
     finish reason and usage, then ``[DONE]``. A client that goes away cancels the job."""
     sent = 0
-    model = runtime.settings.model
+    model = runtime.settings.model_name
     try:
         while True:
             job.updated.clear()
@@ -134,29 +136,65 @@ def _inference_router() -> APIRouter:
         body: schemas.CompletionRequest, request: Request, runtime: Runtime
     ) -> Response:
         settings = runtime.settings
-        job = make_job(body, settings.shape, runtime.capacity_blocks)
+        job = make_job(body, settings.shape, runtime.capacity_blocks, runtime.tokenizer)
         runtime.engine.submit(job)
         created = int(time.time())
         if body.stream:
-            return StreamingResponse(
-                _stream(runtime, job, created),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache"},
+            return _streaming(_stream(runtime, job, created))
+        failed = await _finish(runtime, job, request)
+        if failed is not None:
+            return failed
+        return OrjsonResponse(
+            completion_body(job, settings.worker_id, settings.model_name, created)
+        )
+
+    @router.post(
+        "/v1/chat/completions",
+        responses=ERRORS,
+        summary="OpenAI chat completions (needs --tokenizer, or the router's prompt_token_ids)",
+    )
+    async def create_chat_completion(
+        body: ChatCompletionRequest, request: Request, runtime: Runtime
+    ) -> Response:
+        settings = runtime.settings
+        job = chat_job(body, runtime.tokenizer, settings.shape, runtime.capacity_blocks)
+        runtime.engine.submit(job)
+        created = int(time.time())
+        model = settings.model_name
+        if body.stream:
+            return _streaming(
+                chat_stream(runtime.engine, job, body, runtime.tokenizer, model, created)
             )
-        disconnect = asyncio.ensure_future(_wait_for_disconnect(request))
-        try:
-            await asyncio.wait((job.done, disconnect), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            disconnect.cancel()
-            if not job.finished:  # the client went away (or this handler was cancelled)
-                runtime.engine.cancel(job.job_id)
-        if job.finish_reason == "error":
-            return _error(
-                503, job.error or "the engine failed", "engine_error", None, **{"Retry-After": "1"}
-            )
-        return OrjsonResponse(completion_body(job, settings.worker_id, settings.model, created))
+        failed = await _finish(runtime, job, request)
+        if failed is not None:
+            return failed
+        timings = timings_of(settings.worker_id, job)
+        return OrjsonResponse(chat_body(job, body, runtime.tokenizer, model, created, timings))
 
     return router
+
+
+def _streaming(chunks: AsyncIterator[bytes]) -> StreamingResponse:
+    return StreamingResponse(
+        chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+    )
+
+
+async def _finish(runtime: WorkerRuntime, job: Job, request: Request) -> Response | None:
+    """Wait for the job to finish (cancelling it if the client goes away); the error answer
+    of a job the engine failed, else None."""
+    disconnect = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait((job.done, disconnect), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        disconnect.cancel()
+        if not job.finished:  # the client went away (or this handler was cancelled)
+            runtime.engine.cancel(job.job_id)
+    if job.finish_reason == "error":
+        return _error(
+            503, job.error or "the engine failed", "engine_error", None, **{"Retry-After": "1"}
+        )
+    return None
 
 
 def _block_info(block: KVCacheBlock, with_tokens: bool) -> dict[str, Any]:

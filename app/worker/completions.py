@@ -8,6 +8,7 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
+from app.chat import ModelTokenizer
 from app.core.errors import BadRequest
 from app.worker import schemas
 from app.worker.backend import prompt_seed
@@ -15,7 +16,7 @@ from app.worker.engine import Job
 from app.worker.settings import ModelShape
 from cache import InvalidRetentionConfigError, RetentionConfig, TokenRangeRetention, cache_salt_id
 
-__all__ = ["completion_body", "make_job", "usage"]
+__all__ = ["completion_body", "make_job", "timings_of", "tokens_job", "usage"]
 
 
 def _retention(spec: schemas.Retention) -> RetentionConfig:
@@ -32,7 +33,7 @@ def _retention(spec: schemas.Retention) -> RetentionConfig:
 
 
 def _check_length(
-    prompt_tokens: int, max_tokens: int, shape: ModelShape, capacity_blocks: int
+    prompt_tokens: int, max_tokens: int, shape: ModelShape, capacity_blocks: int, param: str
 ) -> None:
     """The prompt and its completion must fit the model's window and the worker's cache. The
     error names the field to change: ``prompt`` when the prompt leaves no room for even one
@@ -41,9 +42,9 @@ def _check_length(
     window = shape.max_seq_len
     if prompt_tokens >= window:
         raise BadRequest(
-            f"prompt: {prompt_tokens} tokens; this model's window is {window} tokens "
+            f"{param}: {prompt_tokens} tokens; this model's window is {window} tokens "
             f"(prompt + max_tokens), so a prompt takes at most {window - 1}",
-            param="prompt",
+            param=param,
         )
     total = prompt_tokens + max_tokens
     if total > window:
@@ -57,9 +58,9 @@ def _check_length(
     least = -(-(prompt_tokens + 1) // tpb)
     if least > capacity_blocks:
         raise BadRequest(
-            f"prompt: {prompt_tokens} tokens and one generated need {least} KV cache blocks, "
+            f"{param}: {prompt_tokens} tokens and one generated need {least} KV cache blocks, "
             f"the worker has {capacity_blocks}",
-            param="prompt",
+            param=param,
         )
     need = -(-total // tpb)
     if need > capacity_blocks:
@@ -70,38 +71,79 @@ def _check_length(
         )
 
 
-def make_job(body: schemas.CompletionRequest, shape: ModelShape, capacity_blocks: int) -> Job:
-    """Check a completion request against the model and the cache size; a Job or BadRequest."""
+def make_job(
+    body: schemas.CompletionRequest,
+    shape: ModelShape,
+    capacity_blocks: int,
+    tokenizer: ModelTokenizer | None = None,
+) -> Job:
+    """Check a completion request against the model and the cache size; a Job or BadRequest.
+    A text prompt needs the worker's tokenizer (encoded as the engine would: with its special
+    tokens)."""
     prompt = body.prompt
-    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], str)):
-        raise BadRequest(
-            "prompt: a worker takes token ids; send text prompts to the router", param="prompt"
-        )
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise BadRequest(
+                "prompt: this worker has no tokenizer (--tokenizer); send token ids, or text "
+                "to the router",
+                param="prompt",
+            )
+        prompt = tokenizer.encode_text(prompt)
+    elif prompt and isinstance(prompt[0], str):
+        raise BadRequest("prompt: one prompt per request (a string)", param="prompt")
     if prompt and isinstance(prompt[0], list):
         raise BadRequest("prompt: one prompt per request (a list of token ids)", param="prompt")
-    tokens: list[int] = prompt  # type: ignore[assignment]
+    return tokens_job(
+        prompt,  # type: ignore[arg-type]
+        "prompt",
+        body.max_tokens,
+        shape,
+        capacity_blocks,
+        request_id=body.request_id,
+        priority=body.priority,
+        lora_task_id=body.lora_task_id,
+        cache_salt=body.cache_salt,
+        retention=body.retention,
+    )
+
+
+def tokens_job(
+    tokens: list[int],
+    param: str,
+    max_tokens: int,
+    shape: ModelShape,
+    capacity_blocks: int,
+    *,
+    request_id: str | None,
+    priority: int,
+    lora_task_id: int | None,
+    cache_salt: str | None,
+    retention: schemas.Retention | None = None,
+    prefix: str = "cmpl",
+) -> Job:
+    """A Job for a prompt of token ids (``param`` names the field they came from), checked
+    against the vocabulary, the model's window and the cache size."""
     if not tokens:
-        raise BadRequest("prompt: must hold at least one token id", param="prompt")
+        raise BadRequest(f"{param}: must hold at least one token id", param=param)
     low, high = min(tokens), max(tokens)
     if low < 0 or high >= shape.vocab_size:
         bad = low if low < 0 else high
         raise BadRequest(
-            f"prompt: token id {bad} at index {tokens.index(bad)} is outside the vocabulary "
+            f"{param}: token id {bad} at index {tokens.index(bad)} is outside the vocabulary "
             f"0..{shape.vocab_size - 1}",
-            param="prompt",
+            param=param,
         )
-    _check_length(len(tokens), body.max_tokens, shape, capacity_blocks)
-    retention = _retention(body.retention) if body.retention is not None else None
+    _check_length(len(tokens), max_tokens, shape, capacity_blocks, param)
     return Job(
-        job_id=body.request_id or f"cmpl-{uuid.uuid4().hex}",
+        job_id=request_id or f"{prefix}-{uuid.uuid4().hex}",
         prompt=tokens,
-        max_tokens=body.max_tokens,
+        max_tokens=max_tokens,
         seed=prompt_seed(tokens),
-        priority=body.priority,
-        lora_task_id=body.lora_task_id,
-        cache_salt=body.cache_salt,
-        cache_salt_id=cache_salt_id(body.cache_salt) if body.cache_salt is not None else None,
-        retention=retention,
+        priority=priority,
+        lora_task_id=lora_task_id,
+        cache_salt=cache_salt,
+        cache_salt_id=cache_salt_id(cache_salt) if cache_salt is not None else None,
+        retention=_retention(retention) if retention is not None else None,
     )
 
 
@@ -122,7 +164,7 @@ def usage(job: Job) -> dict[str, Any]:
     }
 
 
-def _timings(worker_id: str, job: Job) -> dict[str, Any]:
+def timings_of(worker_id: str, job: Job) -> dict[str, Any]:
     return {
         "worker_id": worker_id,
         "request_id": job.job_id,
@@ -150,5 +192,5 @@ def completion_body(job: Job, worker_id: str, model: str, created: int) -> dict[
             }
         ],
         "usage": usage(job),
-        "kvmesh": _timings(worker_id, job),
+        "kvmesh": timings_of(worker_id, job),
     }

@@ -22,6 +22,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 
+from app.chat import ModelTokenizer
 from app.core.embedded_redis import EmbeddedRedis
 from app.core.redis import RedisCredentialsError, check_credentials
 from app.core.sim_timing import SimTiming
@@ -63,7 +64,11 @@ def build_manager(settings: WorkerSettings) -> KVCacheManager:
     )
 
 
-def build_backend(settings: WorkerSettings, mgr: KVCacheManager) -> Backend:
+def build_backend(
+    settings: WorkerSettings, mgr: KVCacheManager, output_vocab: int | None = None
+) -> Backend:
+    """The model back-end; the sim one generates ids below ``output_vocab`` (the tokenizer's,
+    so that a chat's answer decodes to text; default: the model's vocabulary)."""
     shape = settings.shape
     if settings.engine == "torch":
         from app.worker.torch_backend import TinyDecoder, TinyDecoderConfig, TorchBackend
@@ -82,7 +87,7 @@ def build_backend(settings: WorkerSettings, mgr: KVCacheManager) -> Backend:
         prefill_s_per_token=settings.sim_prefill_us_per_token / 1e6,
         decode_s_per_sequence=settings.sim_decode_us_per_sequence / 1e6,
     )
-    return SimBackend(shape.vocab_size, timing)
+    return SimBackend(output_vocab or shape.vocab_size, timing)
 
 
 @dataclass(eq=False)
@@ -98,6 +103,7 @@ class WorkerRuntime:
     engine_task: asyncio.Task[None] | None = None
     started_at: float = field(default_factory=time.time)
     shutting_down: bool = False  # drain() began: SIGTERM, or the app's lifespan ending
+    tokenizer: ModelTokenizer | None = None  # --tokenizer: text prompts and chat
 
     @property
     def capacity_blocks(self) -> int:
@@ -123,8 +129,11 @@ class WorkerRuntime:
         except RedisCredentialsError:
             await redis.aclose()
             raise
+        tokenizer = None
+        if settings.tokenizer is not None:
+            tokenizer = await asyncio.to_thread(ModelTokenizer.load, settings.tokenizer)
         mgr = build_manager(settings)
-        backend = build_backend(settings, mgr)
+        backend = build_backend(settings, mgr, tokenizer.vocab_size if tokenizer else None)
         # The hasher is compiled on first use (numba): pay that now, not in the first request.
         await asyncio.to_thread(
             block_hashes_for_tokens, list(range(2 * mgr.tokens_per_block)), mgr.tokens_per_block
@@ -152,7 +161,8 @@ class WorkerRuntime:
         registry = manager_registry_entry(mgr, url=settings.url, device=settings.device)
         registry.update(
             engine=settings.engine,
-            model=settings.model,
+            model=settings.model_name,
+            preset=settings.model,
             vocab_size=shape.vocab_size,
             max_seq_len=shape.max_seq_len,
         )
@@ -181,6 +191,7 @@ class WorkerRuntime:
             redis,
             embedded,
         )
+        runtime.tokenizer = tokenizer
         metrics.bind(settings.worker_id, engine, publisher)
         await publisher.start()
         # Everything built so far lives as long as the process (every block of the pool, its
@@ -198,7 +209,7 @@ class WorkerRuntime:
             settings.worker_id,
             settings.url,
             settings.engine,
-            settings.model,
+            settings.model_name,
             primary,
             secondary,
             shape.tokens_per_block,

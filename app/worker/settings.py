@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from app.core.settings import Settings
@@ -68,6 +68,16 @@ class WorkerSettings(Settings):
 
     model: Literal["tiny", "llama-3-8b", "llama-3-70b"] = Field(
         "tiny", description="model shape preset; the fields below override it"
+    )
+    served_model_name: str | None = Field(
+        None,
+        min_length=1,
+        description="the model name clients ask for (default: the shape preset's, e.g. tiny)",
+    )
+    tokenizer: str | None = Field(
+        None,
+        description="a Hugging Face tokenizer directory (or tokenizer.json): text prompts and "
+        "/v1/chat/completions (default: none; token-id prompts only)",
     )
     num_layers: int | None = Field(None, gt=0, description="layers (default: the preset's)")
     num_heads: int | None = Field(None, gt=0, description="query heads (default: the preset's)")
@@ -181,6 +191,34 @@ class WorkerSettings(Settings):
         if blocks[0] <= 0:
             raise ValueError("gpu_memory_gib: the budget holds no block")
         return self
+
+    @field_validator("tokenizer", "served_model_name", mode="before")
+    @classmethod
+    def _empty_is_unset_too(cls, value: object) -> object:
+        return None if value == "" else value
+
+    @model_validator(mode="after")
+    def _tokenizer_fits(self) -> WorkerSettings:
+        # Loaded here and once more by the runtime: a bad directory, or a vocabulary the
+        # model cannot embed, is one line at start, not a traceback from serving.
+        if self.tokenizer is not None:
+            from app.chat import ModelTokenizer, TokenizerLoadError
+
+            try:
+                vocab = ModelTokenizer.load(self.tokenizer).vocab_size
+            except TokenizerLoadError as exc:
+                raise ValueError(f"tokenizer: {exc}") from None
+            if vocab > self.shape.vocab_size:
+                raise ValueError(
+                    f"tokenizer: {self.tokenizer} has {vocab} tokens, the model's vocabulary "
+                    f"is {self.shape.vocab_size} (give --vocab-size or the model's preset)"
+                )
+        return self
+
+    @property
+    def model_name(self) -> str:
+        """The name clients ask for (``served_model_name``, else the preset's)."""
+        return self.served_model_name or self.model
 
     @property
     def shape(self) -> ModelShape:

@@ -299,8 +299,11 @@ def _garbage(tmp_path: Path) -> Path:
 @pytest.mark.parametrize(
     ("make_path", "problem"),
     [
-        (lambda tmp: tmp / "nonexistent" / "tokenizer.json", "no such file"),
-        (lambda tmp: tmp, "not a file"),
+        (lambda tmp: tmp / "nonexistent" / "tokenizer.json", "no such file or directory"),
+        (
+            lambda tmp: tmp,
+            "a tokenizer directory needs a tokenizer.json (the fast tokenizer the engines load)",
+        ),
         (
             _garbage,
             "not a tokenizer.json the tokenizers library can load "

@@ -108,20 +108,14 @@ async def test_policy_per_request_and_per_router(clean_redis_url: str) -> None:
 @pytest.mark.parametrize(
     ("body", "param", "message"),
     [
-        ({}, None, "give exactly one of prompt_token_ids and prompt"),
+        ({}, None, "give exactly one of prompt_token_ids, prompt and messages"),
         (
             {"prompt": [1], "prompt_token_ids": [1]},
             None,
-            "give exactly one of prompt_token_ids and prompt",
+            "give exactly one of prompt_token_ids, prompt and messages",
         ),
         ({"prompt": []}, "prompt", "prompt: must hold at least one token"),
         ({"prompt": [1, -2]}, "prompt", "prompt: token ids must be within 0..2**32-1"),
-        (
-            {"prompt": "hello"},
-            "prompt",
-            "prompt: text prompts need the router's tokenizer (--tokenizer); "
-            "send token ids instead",
-        ),
         (
             {"prompt": [1], "routing": {"policy": "fastest"}},
             "routing.policy",

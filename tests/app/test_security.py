@@ -117,7 +117,10 @@ def test_every_call_that_changes_state_needs_the_admin_token(redis_url: str) -> 
     worker = worker_app(worker_settings(redis_url))
     router = router_app(router_settings(redis_url))
     dashboard = dashboard_app(DashboardSettings.model_validate({"redis_url": redis_url}))
-    assert _mutating_routes(worker) - _admin_routes(worker) == {"POST /v1/completions"}
+    assert _mutating_routes(worker) - _admin_routes(worker) == {
+        "POST /v1/completions",
+        "POST /v1/chat/completions",
+    }
     assert _admin_routes(worker) == {
         "POST /cache/clear",
         "POST /cache/offload",
@@ -131,6 +134,7 @@ def test_every_call_that_changes_state_needs_the_admin_token(redis_url: str) -> 
         "POST /route",
         "POST /route/explain",
         "POST /v1/completions",
+        "POST /v1/chat/completions",
     }
     assert _admin_routes(router) == {
         "PUT /policy",

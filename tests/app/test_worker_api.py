@@ -151,7 +151,7 @@ BAD_INPUTS: list[tuple[dict[str, Any], int, str, str | None]] = [
     (
         {"prompt": "hello"},
         400,
-        "prompt: a worker takes token ids; send text prompts to the router",
+        "prompt: this worker has no tokenizer (--tokenizer); send token ids, or text to the router",
         "prompt",
     ),
     ({"prompt": [[1, 2]]}, 400, "prompt: one prompt per request (a list of token ids)", "prompt"),
@@ -531,6 +531,7 @@ async def test_openapi_describes_every_route(clean_redis_url: str) -> None:
     assert docs.status_code == 200
     assert set(spec["paths"]) == {
         "/v1/completions",
+        "/v1/chat/completions",
         "/health",
         "/ready",
         "/stats",

@@ -129,6 +129,7 @@ class VllmIngest:
         topic: str = "",
         url: str | None = None,
         block_size: int | None = None,
+        model: str | None = None,
         window_size: int = 0,
         data_parallel_size: int = 1,
         source: str = "vllm",
@@ -151,6 +152,7 @@ class VllmIngest:
         self.topic = topic
         self.url = url
         self.block_size = block_size
+        self.model = model
         self.window_size = window_size
         self.source = source
         self.replay_timeout_s = replay_timeout_s
@@ -178,7 +180,7 @@ class VllmIngest:
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
         sub.connect(endpoint)
-        entry = registry_entry(self.source, self.url, self.block_size)
+        entry = registry_entry(self.source, self.url, self.block_size, self.model)
         if rank is not None:
             entry["data_parallel_rank"] = rank
         return _Stream(
@@ -419,6 +421,7 @@ async def run_vllm_ingest(settings: VllmIngestSettings) -> dict[str, Any]:
         topic=settings.topic,
         url=settings.url,
         block_size=settings.block_size,
+        model=settings.served_model_name,
         window_size=settings.window_size,
         data_parallel_size=settings.data_parallel_size,
         source=settings.source,

@@ -44,7 +44,8 @@ class Weights:
 
     ``load``, ``decode``, ``host_hit``, ``temperature``: kv_aware (``decode`` also weighs
     least_loaded's running sequences; ``temperature`` also dynamo's sampling);
-    ``dynamo_overlap_weight``: dynamo; ``sglang_*``: sglang."""
+    ``dynamo_overlap_weight``: dynamo; ``sglang_*``: sglang; ``session``: kv_aware's session
+    affinity."""
 
     load: float = 0.1  # how much the prefill queued ahead weighs against the request's own
     decode: float = 8.0  # prefill tokens one running sequence is worth (its share of each step)
@@ -56,9 +57,12 @@ class Weights:
     sglang_cache_threshold: float = 0.3
     sglang_balance_abs: int = 64
     sglang_balance_rel: float = 1.5
+    # kv_aware: a session's last worker is preferred by this fraction of the prompt's prefill.
+    session: float = 0.1
 
     def __post_init__(self) -> None:
-        for name in ("load", "decode", "host_hit", "temperature", "dynamo_overlap_weight"):
+        names = ("load", "decode", "host_hit", "temperature", "dynamo_overlap_weight", "session")
+        for name in names:
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name}: must be a finite number >= 0, got {value!r}")
@@ -103,6 +107,7 @@ class Candidate:
     capacity_blocks: int = 0
     cached_blocks: int = 0  # blocks of any request it holds (SGLang's tree size; if needed)
     fresh: bool = True  # whether its index data and load are current
+    session: bool = False  # it served the request's session last (x-session-id or user)
 
     def cached_tokens(self, request: RouteRequest) -> int:
         """Prompt tokens it would reuse: the last prompt token is always computed."""
@@ -117,6 +122,7 @@ class Cost:  # not frozen, for speed (one per worker per decision); treat it as 
     prefill_tokens: float  # the request's own prefill work there (onboarding included)
     load: float  # the load term (prefill-token units for kv_aware; the policy's own otherwise)
     fresh: bool
+    affinity: float = 0.0  # kv_aware: what the session's affinity took off the cost
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,7 +5,11 @@ Per worker, in prefill-token units::
     own     = uncached tokens + host_hit * tokens to onboard from the host tier
     ahead   = load * (queued prefill tokens + decode * running sequences)
     cost    = own + ahead            (+ 4 prompts when the worker cannot fit the request)
+                  - session * prompt tokens   (the worker that served the request's session last)
 
+The session term is soft: the session's worker keeps the request while the others' costs are
+not lower by more than ``session`` of a prompt (0.1 by default), so an agent's next call lands
+where its context is even before that worker's events arrive, and leaves a loaded worker.
 The lowest cost wins; ties go to the lower load, then to a seeded random choice. With a
 temperature above 0 the choice is sampled from ``softmax(-cost / (temperature * prompt))``.
 ``docs/routing.md`` explains the choice of terms and weights.
@@ -44,11 +48,14 @@ class KvAwareConfig:
     decode: float
     host_hit: float
     temperature: float
+    session: float
 
 
 @lru_cache(maxsize=64)  # one per weights a router uses: built once, not per decision
 def config(weights: Weights) -> KvAwareConfig:
-    return KvAwareConfig(weights.load, weights.decode, weights.host_hit, weights.temperature)
+    return KvAwareConfig(
+        weights.load, weights.decode, weights.host_hit, weights.temperature, weights.session
+    )
 
 
 def kv_aware(
@@ -66,6 +73,7 @@ def kv_aware(
     need_blocks = -(-num_tokens // tpb)
     w_load, w_decode, w_host = config.load, config.decode, config.host_hit
     penalty = _MEMORY_PENALTY_PROMPTS * num_tokens
+    affinity = config.session * num_tokens
     costs: list[Cost] = []
     loads: list[float] = []
     for c in candidates:
@@ -80,7 +88,11 @@ def kv_aware(
         cost = own + load
         if c.free_blocks < need_blocks - c.matched_blocks:
             cost += penalty
-        costs.append(Cost(c.worker, cost, cached, own, load, c.fresh))
+        if c.session and affinity:
+            cost -= affinity
+            costs.append(Cost(c.worker, cost, cached, own, load, c.fresh, affinity))
+        else:
+            costs.append(Cost(c.worker, cost, cached, own, load, c.fresh))
         loads.append(load)
     values = [c.cost for c in costs]
     if config.temperature > 0:
