@@ -233,6 +233,13 @@ def build_parser() -> argparse.ArgumentParser:
         _add_redis_flag(one_source, "none: the ingest refuses to start")
         one_source.set_defaults(handler=_cmd_ingest)
 
+    from app.ingest.settings import RegisterSettings
+
+    register = sub.add_parser("register", help=RegisterSettings.summary)
+    add_flags(register, RegisterSettings)
+    _add_redis_flag(register, "none: it refuses to start")
+    register.set_defaults(handler=_cmd_register)
+
     return parser
 
 
@@ -454,6 +461,37 @@ def _cmd_ingest(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         return 130
     print(json.dumps(stats, sort_keys=True))
+    return 0
+
+
+def _cmd_register(args: argparse.Namespace) -> int:
+    """``kvmesh register``: its settings checked (exit 2 naming a bad one), then the server kept
+    registered until Ctrl-C or SIGTERM (it unregisters on the way out)."""
+    import signal
+
+    from app.ingest.errors import IngestSettingsError
+    from app.ingest.register import run_register
+    from app.ingest.settings import NO_REDIS, RegisterSettings, option_values
+
+    redis_url = args.redis_url or Settings().redis_url
+    try:
+        if redis_url is None:
+            raise IngestSettingsError(NO_REDIS)
+        settings = RegisterSettings(redis_url=redis_url, **option_values(args, RegisterSettings))
+    except IngestSettingsError as exc:
+        print(f"kvmesh register: {exc}", file=sys.stderr)
+        return 2
+
+    async def main() -> dict[str, Any]:
+        stop = asyncio.Event()
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+        return await run_register(settings, stop)
+
+    try:
+        entry = asyncio.run(main())
+    except KeyboardInterrupt:
+        return 130
+    print(json.dumps(entry, sort_keys=True))
     return 0
 
 

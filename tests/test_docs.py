@@ -70,6 +70,11 @@ NOT_RUN = {
     ): "several machines (redis-host, gpu3)",
     (
         "docs/operations.md",
+        "kvmesh register --url http://gpu7:8080 --worker-id gpu7 --served-model-name llama "
+        "--block-size 16 --capacity-blocks 65536 --redis-url redis://redis-host:6379/0",
+    ): "an engine on another machine (gpu7); tests/app/test_register.py runs kvmesh register",
+    (
+        "docs/operations.md",
         "vllm serve meta-llama/Llama-3.1-8B-Instruct --port 8000 --block-size 16 "
         '--max-model-len 8192 --kv-events-config \'{"enable_kv_cache_events": true, '
         '"publisher": "zmq",',

@@ -12,7 +12,9 @@ its capacity and load. Timed per request, after one untimed pass over all of the
 ``decision_*`` = ``core.hashes(tokens)`` + ``core.decide(hashes, len(tokens))``, the whole path
 from token list to choice. The break-down, each in its own pass: ``hash_*`` (``core.hashes``),
 ``match_*`` (``index.find_matches_by_tier``), ``candidates_*`` (``core.candidates``: the match
-plus one ``Candidate`` per worker) and ``policy_*`` (``choose`` on those candidates).
+plus one ``Candidate`` per worker) and ``policy_*`` (``choose`` on those candidates). The chat
+case (``chat_*``, ``app.bench.chat``): a 4,096-token conversation rendered with a model's chat
+template, tokenized, hashed and decided, each stage timed.
 
 HTTP part: a private ``redis-server`` (never ``$REDIS_URL``: a shared Redis would bring its own
 workers into the router's view). A child process runs 16 ``EventPublisher``s, one per worker,
@@ -69,6 +71,7 @@ import numpy as np
 import orjson
 import uvloop
 
+from app.bench.chat import measure_chat
 from app.bench.http_client import KeepAliveConnection
 from app.bench.index import NUM_WORKERS, SEED, TOKENS_PER_BLOCK, build_streaming, generate
 from app.bench.worker import _cpu_seconds, _machine_busy_seconds, kvmesh_process
@@ -561,6 +564,7 @@ def measure(num_events: int, num_requests: int, rate: float, duration_s: float) 
     gc.freeze()
     try:
         decision = measure_decision(core, requests)
+        chat = measure_chat(core)
         chosen = [core.decide(core.hashes(tokens), len(tokens)).worker for tokens in requests]
     finally:
         gc.unfreeze()
@@ -578,6 +582,7 @@ def measure(num_events: int, num_requests: int, rate: float, duration_s: float) 
         "requests": len(requests),
         "policy": core.policy,
         **decision,
+        **chat,
         **http,
     }
 

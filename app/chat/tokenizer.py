@@ -151,9 +151,11 @@ class ModelTokenizer:
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], **options: Any) -> list[int]:
         """The chat's token ids: rendered, then encoded without adding special tokens (the
         template wrote them)."""
-        ids: list[int] = self._backend.encode(
-            self.render_chat(messages, **options), add_special_tokens=False
-        ).ids
+        return self.encode_rendered(self.render_chat(messages, **options))
+
+    def encode_rendered(self, text: str) -> list[int]:
+        """A rendered chat's ids: its template wrote the special tokens, none are added."""
+        ids: list[int] = self._backend.encode(text, add_special_tokens=False).ids
         return ids
 
     def decode(self, ids: Sequence[int]) -> str:

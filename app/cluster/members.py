@@ -60,6 +60,11 @@ class Member:
         return tpb if isinstance(tpb, int) and not isinstance(tpb, bool) else None
 
     @property
+    def approximate(self) -> bool:
+        """A worker without KV events (``kvmesh register``): routers match what they sent it."""
+        return bool(self.info.get("approximate"))
+
+    @property
     def draining(self) -> bool:
         """The worker says so in its registry entry (its own drain, or a shutdown)."""
         return bool(self.info.get("draining"))
@@ -89,7 +94,7 @@ class Member:
             and self.heartbeat_age_s > self.heartbeat_ttl_s * 2 / 3
         ):
             return "heartbeat_late"
-        if not self.has_load:
+        if not self.has_load and not self.approximate:  # it has none to publish
             return "no_load"
         return None
 

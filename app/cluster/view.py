@@ -305,6 +305,8 @@ class ClusterView:
             member = self.members.get(worker)
             tiers = per_worker.get(worker, {"gpu": 0, "host": 0})
             out[worker] = {
+                "model": state.info.get("model"),
+                "approximate": bool(state.info.get("approximate")),
                 "alive": state.alive,
                 "synced": state.synced,
                 "epoch": state.epoch,

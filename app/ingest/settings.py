@@ -160,6 +160,36 @@ class SglangIngestSettings(VllmIngestSettings):
     block_size: int = _option(1, about="its tokens per block")
 
 
+@dataclass(frozen=True, kw_only=True)
+class RegisterSettings(IngestSettings):
+    """``kvmesh register``: an OpenAI-compatible server that publishes no KV events, routed by
+    what the routers sent it (an approximate prefix tree per worker)."""
+
+    source: ClassVar[str] = "openai"
+    summary: ClassVar[str] = (
+        "register an OpenAI-compatible server without KV events (routed approximately)"
+    )
+
+    url: str = _option(about="the server, e.g. http://gpu3:8000")
+    worker_id: str = _option(about="worker id to register it as")
+    block_size: int = _option(16, about="its tokens per block (what routers hash prompts in)")
+    capacity_blocks: int = _option(
+        65_536,
+        about="blocks of prompts its cache holds: routers remember at most this many of what "
+        "they sent it",
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_worker_id(self.worker_id)
+        if not self.url.startswith(("http://", "https://")):
+            raise IngestSettingsError(f"--url must be an http:// or https:// URL, got {self.url!r}")
+        for name in ("block_size", "capacity_blocks"):
+            if getattr(self, name) <= 0:
+                flag = "--" + name.replace("_", "-")
+                raise IngestSettingsError(f"{flag} must be positive, got {getattr(self, name)}")
+
+
 SOURCES: dict[str, type[TrtllmIngestSettings] | type[VllmIngestSettings]] = {
     model.source: model
     for model in (TrtllmIngestSettings, VllmIngestSettings, SglangIngestSettings)
@@ -204,7 +234,10 @@ def from_args(args: argparse.Namespace) -> TrtllmIngestSettings | VllmIngestSett
     redis_url = args.redis_url or Settings().redis_url
     if redis_url is None:
         raise IngestSettingsError(NO_REDIS)
+    return model(redis_url=redis_url, **option_values(args, model))
+
+
+def option_values(args: argparse.Namespace, model: type[IngestSettings]) -> dict[str, Any]:
+    """The values of ``model``'s flags in ``args``, by field name."""
     given = vars(args)
-    return model(
-        redis_url=redis_url, **{option.name: given[option.name] for option in _flags(model)}
-    )
+    return {option.name: given[option.name] for option in _flags(model)}

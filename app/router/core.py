@@ -11,7 +11,10 @@ responses; replay from its in-process cluster. The core owns:
   prefilled yet, sequences and blocks in flight), which is newer than any report;
 * the predicted cache: right after a decision the chosen worker is assumed to hold the request's
   blocks for ``predict_ttl_s``, until its ``stored`` events reach the index, so that a burst of
-  requests sharing a new prefix lands together instead of scattering;
+  requests sharing a new prefix lands together instead of scattering. For a worker without KV
+  events (``approximate``, ``kvmesh register``) the predictions are all the router knows: they
+  last ``approx_ttl_s`` and at most the worker's capacity in blocks is kept, the least recently
+  sent dropped first (an approximate prefix tree, as Dynamo's ``--no-kv-events`` keeps);
 * the policy state (seeded random generator, round-robin position);
 * sessions: the worker each session's last request went to (``x-session-id`` or OpenAI's
   ``user``), for kv_aware's soft affinity, the most recent ``MAX_SESSIONS`` kept.
@@ -65,6 +68,7 @@ class WorkerView:
     url: str | None = None
     model: str | None = None  # the model it serves (None: any; an engine ingested unnamed)
     foreign: bool = False  # an engine behind kvmesh ingest: it takes the client's body as sent
+    approximate: bool = False  # no KV events: matched against what this router sent it
     capacity_blocks: int = 0
     draining: bool = False  # the worker said so in its registry entry
     cordon: str | None = None  # "cordoned" or "draining": an operator's (app.cluster.fleet)
@@ -125,6 +129,7 @@ class WorkerView:
             "worker": self.worker,
             "url": self.url,
             "model": self.model,
+            "approximate": self.approximate,
             "state": self.state,
             "stale_reason": self.stale_reason,
             "capacity_blocks": self.capacity_blocks,
@@ -159,6 +164,7 @@ class RouterCore:
         weights: Weights | None = None,
         seed: int = 0,
         predict_ttl_s: float = 2.0,
+        approx_ttl_s: float = 120.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if tokens_per_block <= 0:
@@ -169,6 +175,7 @@ class RouterCore:
         self.weights = weights or Weights()
         self.state = PolicyState(seed)
         self.predict_ttl_s = predict_ttl_s
+        self.approx_ttl_s = approx_ttl_s
         self.clock = clock
         self.workers: dict[str, WorkerView] = {}
         self._order: list[str] = []  # worker ids, sorted: every router sees the same list
@@ -178,6 +185,7 @@ class RouterCore:
         # worker -> block hash -> expiry; expiry order for purging.
         self._predicted: dict[str, dict[int, float]] = {}
         self._expiries: deque[tuple[float, str, Sequence[int]]] = deque()
+        self._approx_expiries: deque[tuple[float, str, Sequence[int]]] = deque()  # longer TTL
 
     # -- workers -------------------------------------------------------------------------------
 
@@ -191,6 +199,7 @@ class RouterCore:
         cordon: str | None = None,
         model: str | None = None,
         foreign: bool = False,
+        approximate: bool = False,
     ) -> WorkerView:
         view = self.workers.get(worker)
         if view is None:
@@ -201,6 +210,7 @@ class RouterCore:
             self._named = None
         view.model = model
         view.foreign = foreign
+        view.approximate = approximate
         if capacity_blocks != view.capacity_blocks:
             view.capacity_blocks = capacity_blocks
             view.changed()
@@ -382,7 +392,7 @@ class RouterCore:
             view.inflight_blocks += flight.blocks
             view.num_decisions += 1
             view.changed()
-        if self.predict_ttl_s > 0 and block_hashes:
+        if block_hashes:
             self.predict(worker, block_hashes)
         return flight
 
@@ -433,11 +443,32 @@ class RouterCore:
     # -- the predicted cache -------------------------------------------------------------------
 
     def predict(self, worker: str, block_hashes: Sequence[int]) -> None:
-        """Assume ``worker`` holds ``block_hashes`` (a chain from the root) for the TTL."""
+        """Assume ``worker`` holds ``block_hashes`` (a chain from the root) for the TTL (an
+        approximate worker's: ``approx_ttl_s``, within its capacity)."""
+        view = self.workers.get(worker)
+        if view is not None and view.approximate:
+            self._predict_approximate(view, block_hashes)
+            return
+        if self.predict_ttl_s <= 0:
+            return
         expiry = self.clock() + self.predict_ttl_s
         predicted = self._predicted.setdefault(worker, {})
         predicted.update(dict.fromkeys(block_hashes, expiry))
         self._expiries.append((expiry, worker, block_hashes))
+
+    def _predict_approximate(self, view: WorkerView, block_hashes: Sequence[int]) -> None:
+        if self.approx_ttl_s <= 0:
+            return
+        expiry = self.clock() + self.approx_ttl_s
+        predicted = self._predicted.setdefault(view.worker, {})
+        for block_hash in block_hashes:  # re-inserted: the dict's order is the recency order
+            predicted.pop(block_hash, None)
+            predicted[block_hash] = expiry
+        capacity = view.capacity_blocks
+        if capacity > 0:
+            while len(predicted) > capacity:  # the least recently sent go first
+                del predicted[next(iter(predicted))]
+        self._approx_expiries.append((expiry, view.worker, block_hashes))
 
     def num_predicted(self, worker: str) -> int:
         now = self.clock()
@@ -445,7 +476,10 @@ class RouterCore:
 
     def _purge(self, now: float) -> None:
         """Forget predictions whose TTL passed (a hash predicted again later stays)."""
-        expiries = self._expiries
+        self._purge_queue(self._expiries, now)
+        self._purge_queue(self._approx_expiries, now)
+
+    def _purge_queue(self, expiries: deque[tuple[float, str, Sequence[int]]], now: float) -> None:
         while expiries and expiries[0][0] <= now:
             _, worker, hashes = expiries.popleft()
             predicted = self._predicted.get(worker)

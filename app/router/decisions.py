@@ -212,6 +212,7 @@ def explain(
                 "worker": cost.worker,
                 "state": view.state if view is not None else "gone",
                 "model": view.model if view is not None else None,
+                "approximate": view.approximate if view is not None else False,
                 "session": c.session,
                 "stale_reason": view.stale_reason if view is not None else None,
                 "matched_blocks": c.matched_blocks,

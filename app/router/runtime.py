@@ -69,6 +69,7 @@ class RouterRuntime:
             weights=settings.weights(),
             seed=settings.seed,
             predict_ttl_s=settings.predict_ttl_s,
+            approx_ttl_s=settings.approx_ttl_s,
         )
         self.tokens_per_block_known = settings.tokens_per_block is not None
         self.incompatible: dict[str, str] = {}  # worker -> why it is not routed to
@@ -133,6 +134,7 @@ class RouterRuntime:
                 url=member.url,
                 model=model if isinstance(model, str) and model else None,
                 foreign=bool(member.info.get("source")),
+                approximate=member.approximate,
                 capacity_blocks=member.capacity_blocks,
                 draining=member.draining,
                 cordon=member.cordon.state if member.cordon is not None else None,

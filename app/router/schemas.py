@@ -149,6 +149,9 @@ class ExplainWorker(BaseModel):
     worker: str
     state: str
     model: str | None
+    approximate: bool = Field(
+        description="no KV events: its match is what this router sent it (predicted_blocks)"
+    )
     session: bool = Field(description="it served the request's session last")
     stale_reason: str | None
     matched_blocks: int = Field(description="leading blocks held, index and predicted")

@@ -47,6 +47,12 @@ class RouterSettings(Settings):
     predict_ttl_s: float = Field(
         2.0, ge=0, description="seconds a decision's blocks count as cached before their events"
     )
+    approx_ttl_s: float = Field(
+        120.0,
+        ge=0,
+        description="seconds a worker without KV events (kvmesh register) is assumed to hold "
+        "what this router sent it",
+    )
     tokens_per_block: int | None = Field(
         None, ge=1, description="block size to hash prompts with (default: the workers')"
     )

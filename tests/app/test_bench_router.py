@@ -1,6 +1,9 @@
 from __future__ import annotations
 
+from transformers import AutoTokenizer
+
 from app.bench import BENCHMARKS, load_benchmark
+from app.bench.chat import DEMO_MODEL, conversation
 from app.bench.index import NUM_WORKERS, REQUEST_TOKENS, make_workload
 from app.bench.router import (
     CAPACITY_BLOCKS,
@@ -10,6 +13,7 @@ from app.bench.router import (
     run,
     worker_loads,
 )
+from app.chat import ModelTokenizer
 from cache import StoredData
 from events.codec import decode_events
 from tests.app.bench_cli import run_quick_bench
@@ -82,3 +86,12 @@ def test_quick_run_from_the_command_line() -> None:
     # The router's own index and loads match the in-process core's: the same choices.
     assert report["http_same_choice"] == 1.0
     assert report["router_cpu_s"] is None or report["router_cpu_s"] > 0
+
+    # The chat case: a conversation of at least 4,096 tokens as transformers renders it.
+    reference = AutoTokenizer.from_pretrained(str(DEMO_MODEL))
+    chat = conversation(ModelTokenizer.load(DEMO_MODEL))
+    ids = reference.apply_chat_template(chat, add_generation_prompt=True, return_dict=False)
+    assert report["chat_prompt_tokens"] == len(ids) >= 4_096
+    assert report["chat_messages"] == len(chat)
+    for stage in ("render", "tokenize", "hash", "decide", "total"):
+        assert 0 < report[f"chat_{stage}_p50_us"] <= report[f"chat_{stage}_p99_us"], stage

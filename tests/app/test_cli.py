@@ -16,7 +16,17 @@ import pytest
 from app.bench import BENCHMARK_HELP, BENCHMARKS, load_benchmark
 from app.cli import build_parser, main, parse_args
 
-SUBCOMMANDS = ["demo", "worker", "router", "dashboard", "replay", "bench", "wait-ready", "ingest"]
+SUBCOMMANDS = [
+    "demo",
+    "worker",
+    "router",
+    "dashboard",
+    "replay",
+    "bench",
+    "wait-ready",
+    "ingest",
+    "register",
+]
 
 
 def test_help_lists_every_subcommand(capsys: pytest.CaptureFixture[str]) -> None:

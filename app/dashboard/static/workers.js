@@ -28,6 +28,13 @@ function tierRow(key, label) {
 
 function makeCard(name) {
   const badge = el("span", { class: "badge state" });
+  // Routed by what was sent to it (no KV events: kvmesh register), said on the card.
+  const approximate = el(
+    "span",
+    { class: "badge approximate", title: "no KV events: routed by what routers sent it" },
+    "approximate",
+  );
+  const model = el("span", { class: "model" });
   const url = el("span", { class: "url" });
   const tiers = Object.fromEntries(TIERS.map(([key, label]) => [key, tierRow(key, label)]));
   const stats = {};
@@ -39,11 +46,11 @@ function makeCard(name) {
   const root = el(
     "article",
     { class: "card worker", dataset: { worker: name } },
-    el("header", {}, el("span", { class: "worker-name" }, name), badge, url),
+    el("header", {}, el("span", { class: "worker-name" }, name), badge, approximate, model, url),
     ...TIERS.map(([key]) => tiers[key].row),
     grid,
   );
-  return { root, badge, url, tiers, stats };
+  return { root, badge, approximate, model, url, tiers, stats };
 }
 
 function updateTier(tier, blocks) {
@@ -100,6 +107,8 @@ export class WorkerCards {
       setText(card.badge, w.state);
       setAttr(card.badge, "data-state", w.state);
       setAttr(card.badge, "title", badgeTitle(w));
+      card.approximate.hidden = !w.approximate;
+      setText(card.model, w.model ?? "");
       setText(card.url, w.url ?? "");
       for (const [key] of TIERS) updateTier(card.tiers[key], w[key]);
       for (const [key, , format] of STATS) setText(card.stats[key], format(w));
