@@ -10,6 +10,10 @@ slot and can be written in one pipeline (or one ``MULTI``) on a cluster too::
     kvmesh:{<worker>}:alive             heartbeat, "<epoch> <last event id>", with a TTL
     kvmesh:workers                      registry hash: worker id -> JSON entry
     kvmesh:cordons                      hash: worker id -> JSON cordon (operators, via routers)
+    kvmesh:{routers}:decisions          stream: every router's requests begun, prefilled, ended
+    kvmesh:{routers}:alive:<router>     a router's heartbeat, with a TTL
+
+The routers' keys share the hash tag ``{routers}``: one slot on a cluster, one pipeline.
 
 Worker ids are checked (``validate_worker_id``) before any key is built, so a bad id fails
 with an ``InvalidWorkerIdError`` (``events.errors``; also a ``ValueError``) before any I/O.
@@ -25,11 +29,13 @@ from events.errors import InvalidWorkerIdError
 
 __all__ = [
     "CORDONS_KEY",
+    "DECISIONS_KEY",
     "MAX_WORKER_ID_LENGTH",
     "WORKERS_KEY",
     "alive_key",
     "events_key",
     "load_key",
+    "router_alive_key",
     "snapshot_key",
     "snapshot_request_key",
     "validate_worker_id",
@@ -39,6 +45,7 @@ __all__ = [
 PREFIX: Final = "kvmesh"
 WORKERS_KEY: Final = f"{PREFIX}:workers"
 CORDONS_KEY: Final = f"{PREFIX}:cordons"
+DECISIONS_KEY: Final = f"{PREFIX}:{{routers}}:decisions"
 MAX_WORKER_ID_LENGTH: Final = 128
 
 _EVENTS_SUFFIX: Final = "}:events"
@@ -88,6 +95,11 @@ def load_key(worker_id: str) -> str:
 
 def alive_key(worker_id: str) -> str:
     return _worker_key(worker_id, "alive")
+
+
+def router_alive_key(router_id: str) -> str:
+    """A router's heartbeat key (its id is checked as a worker id is)."""
+    return f"{PREFIX}:{{routers}}:alive:{validate_worker_id(router_id)}"
 
 
 def worker_from_events_key(key: str | bytes) -> str:

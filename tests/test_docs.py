@@ -65,6 +65,12 @@ NOT_RUN = {
         "--policy least_loaded --plot docs/img/replay --json",
     ): "minutes (5,719 requests, 6 policies)",
     (
+        "docs/benchmarks.md",
+        ".venv/bin/kvmesh replay --trace benchmarks/traces/mooncake_conversation.jsonl.gz "
+        "--workers 8 --tokens-per-block 64 --blocks-per-worker 38613 --policy kv_aware "
+        "--routers 4 --event-delay-ms 50 --json",
+    ): "a minute (5,719 requests); tests/app/test_replay.py runs the replica options",
+    (
         "docs/operations.md",
         "redis-server --port 6379 --save '' --appendonly no --protected-mode no",
     ): "several machines (redis-host, gpu3)",

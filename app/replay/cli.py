@@ -175,6 +175,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"(default: {defaults.predict_ttl_s:g})",
     )
     router.add_argument(
+        "--routers",
+        type=int,
+        default=defaults.routers,
+        help="router replicas, requests dealt round robin, each with its own in-flight view, "
+        "sharing their decisions as live routers do (default: 1)",
+    )
+    router.add_argument(
+        "--no-share",
+        action="store_true",
+        help="with --routers N: the replicas do not share their decisions, so that the loss "
+        "shows (default: they share)",
+    )
+    router.add_argument(
+        "--event-delay-ms",
+        type=_non_negative_float,
+        default=defaults.event_delay_s * 1e3,
+        help="KV events and loads reach the routers this late (default: 0)",
+    )
+    router.add_argument(
+        "--no-events",
+        action="store_true",
+        help="the workers publish no KV events: routers match what they sent each worker "
+        "(approximate, as for kvmesh register; default: exact events)",
+    )
+    router.add_argument(
+        "--approx-ttl-s",
+        type=_non_negative_float,
+        default=defaults.approx_ttl_s,
+        help="with --no-events: seconds a router assumes a worker holds what it sent it "
+        f"(default: {defaults.approx_ttl_s:g}, as kvmesh router's)",
+    )
+    router.add_argument(
         "--weight",
         type=_weight,
         action="append",
@@ -202,6 +234,11 @@ def _config(args: argparse.Namespace) -> ClusterConfig:
         predict_ttl_s=args.predict_ttl_s,
         weights=weights,
         enable_partial_reuse=args.partial_reuse,
+        routers=args.routers,
+        share=not args.no_share,
+        event_delay_s=args.event_delay_ms / 1e3,
+        no_events=args.no_events,
+        approx_ttl_s=args.approx_ttl_s,
     )
 
 

@@ -48,26 +48,22 @@ import heapq
 import math
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Final, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
-from app.core.sim_timing import SimTiming
+from app.replay.config import REPLAY_TIMING, ClusterConfig
+from app.replay.routers import CoreRouter, SingleWorker
 from app.replay.trace import TokenSource, TraceRequest
-from app.router.core import RouterCore
-from app.router.policies import Weights
 from cache import (
     KVCacheEvent,
     KVCacheManager,
     LlmRequest,
     OutOfBlocksError,
     RequestState,
-    block_hashes_for_tokens,
 )
-from events.codec import decode_events, encode_events
-from events.index import PrefixIndex
 from events.publisher import manager_load
 
 __all__ = [
@@ -82,62 +78,7 @@ __all__ = [
 
 POOLED: Final = "pooled"
 
-# The replay's default worker: a ~70B model on one node rather than the worker's 8B sim
-# default (SimTiming()), whose 32 us a prompt token would leave 8 workers ~15 % busy on the
-# Mooncake conversation trace (73.6 M prompt tokens in 30 min). Here a step costs 10 ms (the
-# weights read once), a prompt token 100 us, a decoding sequence 150 us. Under round robin (hit
-# ratio ~0.10) the prefill work alone is then ~46 % of each worker's time and decode steps fill
-# most of the rest: busy, with TTFT p50 ~1.2 s, but not saturated (queues drain; every request
-# completes within the trace's pace).
-REPLAY_TIMING: Final = SimTiming(
-    step_overhead_s=10e-3, prefill_s_per_token=100e-6, decode_s_per_sequence=150e-6
-)
 _EVENT_BUFFER: Final = 1 << 22
-
-
-@dataclass(frozen=True, slots=True)
-class ClusterConfig:
-    num_workers: int = 8
-    blocks_per_worker: int = 38_613
-    tokens_per_block: int = 64
-    timing: SimTiming = REPLAY_TIMING
-    max_batch_size: int = 64
-    max_tokens_per_step: int = 8_192
-    speed: float = 1.0  # trace time / virtual time
-    seed: int = 0
-    predict_ttl_s: float = 2.0
-    weights: Weights | None = None
-    # Off: a block is reused only when its whole key matches (a partial block only an equal
-    # partial block), which is what the router's index sees. The worker's default is on.
-    enable_partial_reuse: bool = False
-    coalesce_decode: bool = True  # off: every decode step is simulated (tests compare)
-
-    def __post_init__(self) -> None:
-        for name in ("num_workers", "blocks_per_worker", "tokens_per_block", "max_batch_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
-        if self.max_tokens_per_step < self.tokens_per_block:
-            raise ValueError(
-                f"max_tokens_per_step: must be >= tokens_per_block ({self.tokens_per_block}), "
-                f"got {self.max_tokens_per_step}"
-            )
-        if not (math.isfinite(self.speed) and self.speed > 0):
-            raise ValueError(f"speed: must be a positive number, got {self.speed}")
-
-    def pooled(self) -> ClusterConfig:
-        """One worker with every worker's blocks and compute (see the module docstring)."""
-        n = self.num_workers
-        t = self.timing
-        return replace(
-            self,
-            num_workers=1,
-            blocks_per_worker=self.blocks_per_worker * n,
-            timing=SimTiming(
-                t.step_overhead_s / n, t.prefill_s_per_token / n, t.decode_s_per_sequence / n
-            ),
-            max_batch_size=self.max_batch_size * n,
-            max_tokens_per_step=self.max_tokens_per_step * n,
-        )
 
 
 @dataclass(slots=True)
@@ -469,65 +410,6 @@ class _Cluster:
 # -- routers ---------------------------------------------------------------------------------
 
 
-class _CoreRouter:
-    """The router service's ``RouterCore`` and policy, fed through the real event path."""
-
-    def __init__(self, cluster: _Cluster, policy: str) -> None:
-        config = cluster.config
-        self.index = PrefixIndex()
-        self.core = RouterCore(
-            self.index,
-            tokens_per_block=config.tokens_per_block,
-            policy=policy,
-            weights=config.weights,
-            seed=config.seed,
-            predict_ttl_s=config.predict_ttl_s,
-            clock=cluster.clock,
-        )
-        self.workers = cluster.workers
-        for worker in cluster.workers:
-            self.core.upsert_worker(worker.worker_id, capacity_blocks=config.blocks_per_worker)
-            self.core.set_load(worker.worker_id, worker.load())
-        self._index_of = {worker.worker_id: worker.index for worker in cluster.workers}
-
-    def route(self, job: _Job, tokens: npt.NDArray[np.uint32], now: float) -> int:
-        core = self.core
-        # core.hashes, on the array (no list -> array conversion per request).
-        hashes = block_hashes_for_tokens(tokens, core.tokens_per_block)
-        decision = core.decide(hashes, len(tokens))
-        core.begin(str(job.trace.index), decision, hashes, len(tokens))
-        return self._index_of[decision.worker]
-
-    def prefilled(self, job: _Job) -> None:
-        self.core.prefilled(str(job.trace.index))
-
-    def finish(self, job: _Job) -> None:
-        self.core.finish(str(job.trace.index))
-
-    def publish(self, worker: _Worker, events: list[KVCacheEvent]) -> None:
-        if events:
-            apply = self.index.apply_event
-            for event in decode_events(encode_events(events)):
-                apply(worker.worker_id, event)
-        self.core.set_load(worker.worker_id, worker.load())
-
-
-class _SingleWorker:
-    """``pooled``: one worker takes everything; no index, no router state."""
-
-    def route(self, job: _Job, tokens: npt.NDArray[np.uint32], now: float) -> int:
-        return 0
-
-    def prefilled(self, job: _Job) -> None:
-        pass
-
-    def finish(self, job: _Job) -> None:
-        pass
-
-    def publish(self, worker: _Worker, events: list[KVCacheEvent]) -> None:
-        pass
-
-
 def max_sequence_length(trace: Sequence[TraceRequest], tokens_per_block: int) -> int:
     """A manager length that holds every request of the trace (prompt plus output)."""
     longest = max(r.input_length + r.output_length for r in trace)
@@ -545,9 +427,9 @@ def run_policy(
     length = max_sequence_length(trace, config.tokens_per_block)
     if policy == POOLED:
         config = config.pooled()
-        cluster = _Cluster(config, tokens, length, lambda c: _SingleWorker())
+        cluster = _Cluster(config, tokens, length, lambda c: SingleWorker())
     else:
-        cluster = _Cluster(config, tokens, length, lambda c: _CoreRouter(c, policy))
+        cluster = _Cluster(config, tokens, length, lambda c: CoreRouter(c, policy))
     # Hundreds of thousands of block objects live as long as the run: out of the collector's
     # sight, and fewer passes over what each step allocates (nothing the run makes is cyclic
     # garbage, so the passes would find nothing).

@@ -320,6 +320,7 @@ def _cluster_router(settings: RouterSettings) -> APIRouter:
                 "index": stats,
                 "consumer": runtime.consumer.stats(),
                 "tokens_per_block": runtime.core.tokens_per_block,
+                "sharing": runtime.share.stats() if runtime.share is not None else None,
             }
         )
 

@@ -79,6 +79,10 @@ class WorkerView:
     inflight_running: int = 0
     inflight_blocks: int = 0
     num_decisions: int = 0
+    # What the other routers sent there, as they shared it (app.router.share).
+    remote_prefill_tokens: int = 0
+    remote_running: int = 0
+    remote_blocks: int = 0
     _terms: tuple[int, int, int, int] | None = None
 
     def load_terms(self) -> tuple[int, int, int, int]:
@@ -94,21 +98,19 @@ class WorkerView:
         self._terms = None
 
     def _load_terms(self) -> tuple[int, int, int, int]:
+        prefill = self.inflight_prefill_tokens + self.remote_prefill_tokens
+        running = self.inflight_running + self.remote_running
+        blocks = self.inflight_blocks + self.remote_blocks
         load = self.load
         if not load:
-            return (
-                self.inflight_prefill_tokens,
-                self.inflight_running,
-                self.inflight_blocks,
-                self.capacity_blocks,
-            )
+            return prefill, running, blocks, self.capacity_blocks
         reported_running = load.get("running_requests", load.get("active_sequences", 0))
         free = load.get("free_blocks_0", self.capacity_blocks)
         return (
-            self.inflight_prefill_tokens,
-            max(self.inflight_running, reported_running + load.get("waiting_requests", 0)),
-            max(self.inflight_blocks, load.get("used_blocks_0", 0)),
-            max(free - self.inflight_blocks, 0),
+            prefill,
+            max(running, reported_running + load.get("waiting_requests", 0)),
+            max(blocks, load.get("used_blocks_0", 0)),
+            max(free - blocks, 0),
         )
 
     @property
@@ -139,6 +141,11 @@ class WorkerView:
                 "running": self.inflight_running,
                 "blocks": self.inflight_blocks,
             },
+            "other_routers": {
+                "prefill_tokens": self.remote_prefill_tokens,
+                "running": self.remote_running,
+                "blocks": self.remote_blocks,
+            },
             "decisions": self.num_decisions,
         }
 
@@ -150,6 +157,8 @@ class InFlight:
     prefill_tokens: int  # uncached prompt tokens, until prefilled
     blocks: int
     prefilled: bool = False
+    router: str = ""  # another router's id, for a flight it shared; "" for this router's own
+    started_at: float = 0.0  # the core's clock when it began (for the remote ones' age)
 
 
 class RouterCore:
@@ -164,7 +173,7 @@ class RouterCore:
         weights: Weights | None = None,
         seed: int = 0,
         predict_ttl_s: float = 2.0,
-        approx_ttl_s: float = 120.0,
+        approx_ttl_s: float = 600.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if tokens_per_block <= 0:
@@ -180,6 +189,10 @@ class RouterCore:
         self.workers: dict[str, WorkerView] = {}
         self._order: list[str] = []  # worker ids, sorted: every router sees the same list
         self.inflight: dict[str, InFlight] = {}
+        self.remote: dict[tuple[str, str], InFlight] = {}  # (router, request id): shared flights
+        # Called with ("begin" | "prefilled" | "finish", the flight, its block hashes) for each
+        # of this router's own flights: how they are shared with the other routers.
+        self.flight_hooks: list[Callable[[str, InFlight, Sequence[int]], None]] = []
         self.sessions: OrderedDict[str, str] = OrderedDict()  # session -> its last worker
         self._named: list[str] | None = None  # the models named, sorted (cached)
         # worker -> block hash -> expiry; expiry order for purging.
@@ -394,6 +407,8 @@ class RouterCore:
             view.changed()
         if block_hashes:
             self.predict(worker, block_hashes)
+        for hook in self.flight_hooks:
+            hook("begin", flight, block_hashes)
         return flight
 
     def prefilled(self, request_id: str) -> None:
@@ -406,6 +421,8 @@ class RouterCore:
         if view is not None:
             view.inflight_prefill_tokens -= flight.prefill_tokens
             view.changed()
+        for hook in self.flight_hooks:
+            hook("prefilled", flight, ())
 
     def finish(self, request_id: str) -> None:
         """The request ended (completed, failed or cancelled): it leaves the accounting."""
@@ -418,6 +435,70 @@ class RouterCore:
             view.inflight_running -= 1
             view.inflight_blocks -= flight.blocks
             view.changed()
+        for hook in self.flight_hooks:
+            hook("finish", flight, ())
+
+    # -- the other routers' flights ------------------------------------------------------------
+
+    def begin_remote(
+        self,
+        router: str,
+        request_id: str,
+        worker: str,
+        prefill_tokens: int,
+        blocks: int,
+        block_hashes: Sequence[int],
+    ) -> None:
+        """Another router sent a request to ``worker``: count it, predict its blocks."""
+        key = (router, request_id)
+        if key in self.remote:
+            return
+        flight = InFlight(request_id, worker, prefill_tokens, blocks, router=router)
+        flight.started_at = self.clock()
+        self.remote[key] = flight
+        view = self.workers.get(worker)
+        if view is not None:
+            view.remote_prefill_tokens += prefill_tokens
+            view.remote_running += 1
+            view.remote_blocks += blocks
+            view.changed()
+        if block_hashes:
+            self.predict(worker, block_hashes)
+
+    def prefilled_remote(self, router: str, request_id: str) -> None:
+        flight = self.remote.get((router, request_id))
+        if flight is None or flight.prefilled:
+            return
+        flight.prefilled = True
+        view = self.workers.get(flight.worker)
+        if view is not None:  # (never below 0: the view may be newer than the flight)
+            view.remote_prefill_tokens = max(view.remote_prefill_tokens - flight.prefill_tokens, 0)
+            view.changed()
+
+    def finish_remote(self, router: str, request_id: str) -> None:
+        self.prefilled_remote(router, request_id)
+        flight = self.remote.pop((router, request_id), None)
+        if flight is None:
+            return
+        view = self.workers.get(flight.worker)
+        if view is not None:
+            view.remote_running = max(view.remote_running - 1, 0)
+            view.remote_blocks = max(view.remote_blocks - flight.blocks, 0)
+            view.changed()
+
+    def forget_remote(self, router: str | None = None, older_than_s: float | None = None) -> int:
+        """End the shared flights of ``router`` (it died), or those older than
+        ``older_than_s`` (their end was lost); how many."""
+        now = self.clock()
+        gone = [
+            key
+            for key, flight in self.remote.items()
+            if (router is not None and key[0] == router)
+            or (older_than_s is not None and now - flight.started_at > older_than_s)
+        ]
+        for other, request_id in gone:
+            self.finish_remote(other, request_id)
+        return len(gone)
 
     def models(self) -> dict[str, list[str]]:
         """Each named model -> its workers that are up (``GET /v1/models``)."""

@@ -213,6 +213,11 @@ def explain(
                 "state": view.state if view is not None else "gone",
                 "model": view.model if view is not None else None,
                 "approximate": view.approximate if view is not None else False,
+                "other_routers": {
+                    "prefill_tokens": view.remote_prefill_tokens if view is not None else 0,
+                    "running": view.remote_running if view is not None else 0,
+                    "blocks": view.remote_blocks if view is not None else 0,
+                },
                 "session": c.session,
                 "stale_reason": view.stale_reason if view is not None else None,
                 "matched_blocks": c.matched_blocks,

@@ -33,9 +33,10 @@ from app.router.core import RouterCore
 from app.router.metrics import RouterMetrics
 from app.router.policies import Decision
 from app.router.settings import RouterSettings
+from app.router.share import DecisionShare, default_router_id
 from events.consumer import EventConsumer
 from events.index import PrefixIndex
-from events.redis_io import REDIS_ERRORS
+from events.redis_io import REDIS_ERRORS, redis_client
 
 __all__ = ["DecisionHook", "RouterRuntime"]
 
@@ -78,6 +79,7 @@ class RouterRuntime:
             timeout=httpx.Timeout(settings.proxy_timeout_s, connect=settings.connect_timeout_s),
             limits=httpx.Limits(max_connections=1_024, max_keepalive_connections=256),
         )
+        self.share: DecisionShare | None = None  # --share-decisions: the other routers' flights
         self.tokenizers: dict[str, ModelTokenizer] = {}  # --model NAME=DIR
         self.default_tokenizer: ModelTokenizer | None = None  # --tokenizer
         self.started_at = time.time()
@@ -96,11 +98,23 @@ class RouterRuntime:
             runtime.default_tokenizer = await asyncio.to_thread(
                 ModelTokenizer.load, settings.tokenizer
             )
+        if settings.share_decisions:
+            share_redis = redis_client(settings.redis_url, socket_timeout=5.0)
+            runtime.share = DecisionShare(
+                share_redis,
+                settings.router_id or default_router_id(),
+                runtime.core,
+                max_flight_s=settings.proxy_timeout_s,
+            )
+            await runtime.share.start()
         await view.start()
         logger.info("router: started")
         return runtime
 
     async def aclose(self) -> None:
+        if self.share is not None:
+            await self.share.aclose()
+            await self.share.redis.aclose()
         await self.view.aclose()
         await self.http.aclose()
 

@@ -152,6 +152,9 @@ class ExplainWorker(BaseModel):
     approximate: bool = Field(
         description="no KV events: its match is what this router sent it (predicted_blocks)"
     )
+    other_routers: dict[str, int] = Field(
+        description="the part of its in-flight load other routers sent (shared decisions)"
+    )
     session: bool = Field(description="it served the request's session last")
     stale_reason: str | None
     matched_blocks: int = Field(description="leading blocks held, index and predicted")

@@ -48,10 +48,19 @@ class RouterSettings(Settings):
         2.0, ge=0, description="seconds a decision's blocks count as cached before their events"
     )
     approx_ttl_s: float = Field(
-        120.0,
+        600.0,
         ge=0,
         description="seconds a worker without KV events (kvmesh register) is assumed to hold "
-        "what this router sent it",
+        "what this router sent it (Dynamo's 120 s loses half the reuse of conversations whose "
+        "turns come minutes apart; the capacity bounds it too)",
+    )
+    share_decisions: bool = Field(
+        True,
+        description="share this router's in-flight requests with the other routers over Redis, "
+        "and count theirs (replicas choose as one)",
+    )
+    router_id: str | None = Field(
+        None, min_length=1, description="this router's id among replicas (default: HOST-PID)"
     )
     tokens_per_block: int | None = Field(
         None, ge=1, description="block size to hash prompts with (default: the workers')"

@@ -40,15 +40,22 @@ ADMIN_PASSWORD = "admin-pw-7f3b9c"
 _BASE = "resetkeys resetchannels -@all +ping"
 # The worker's publisher: its stream, snapshot, registry entry, heartbeat and load hash.
 _WORKER_COMMANDS = "+xadd +xrevrange +set +getdel +exists +hset +hdel +pexpire +del"
-# The router's (and a dashboard's) consumer and sync loop; SET only asks for a fresh snapshot.
-_ROUTER_COMMANDS = "+info +xread +xrange +xinfo|stream +hgetall +exists +pttl +get +set"
+# The router's (and a dashboard's) consumer and sync loop; SET only asks for a fresh snapshot;
+# XADD, XREVRANGE, SET and DEL on the routers' own keys (their shared decisions, heartbeats).
+_ROUTER_COMMANDS = (
+    "+info +xread +xrange +xinfo|stream +hgetall +exists +pttl +get +set +xadd +xrevrange +del"
+)
 
 # One user for every kvmesh process.
 SHARED_RULES = f"{_BASE} ~kvmesh:* {_WORKER_COMMANDS} {_ROUTER_COMMANDS}"
 # Least privilege: workers write their keys; routers and dashboards read, and write nothing but
-# the snapshot-request key (so a leaked router password cannot forge events).
+# the snapshot-request key and the routers' own keys (so a leaked router password cannot forge
+# events).
 WORKER_RULES = f"{_BASE} ~kvmesh:* {_WORKER_COMMANDS}"
-ROUTER_RULES = f"{_BASE} %R~kvmesh:* %W~kvmesh:{{*}}:snapshot:request {_ROUTER_COMMANDS}"
+ROUTER_RULES = (
+    f"{_BASE} %R~kvmesh:* %W~kvmesh:{{*}}:snapshot:request %W~kvmesh:{{routers}}:* "
+    f"{_ROUTER_COMMANDS}"
+)
 
 _HOST = "127.0.0.1"
 

@@ -482,3 +482,54 @@ def test_table_formats_every_policy() -> None:
         "12,345", "10", "0", "1.5",
     ]  # fmt: skip
     assert len({len(line) for line in table}) == 1
+
+
+# -- router replicas and engines without events -------------------------------------------------
+
+
+def _burst() -> list[TraceRequest]:
+    """8 requests 1 ms apart sharing a 4-block prefix, each with a block of its own; slow
+    steps, so the burst is placed before any worker's events could arrive."""
+    return [TraceRequest(i, i, 5 * TRACE_BLOCK_TOKENS, 4, (1, 2, 3, 4, 100 + i)) for i in range(8)]
+
+
+def _replicas(**options: object) -> ClusterConfig:
+    return replace(
+        sequential(),
+        timing=SimTiming(0.05, 1e-4, 1e-4),
+        event_delay_s=0.5,
+        **options,  # type: ignore[arg-type]
+    )
+
+
+def test_router_replicas_share_their_decisions(tokens: TokenSource) -> None:
+    burst = _burst()
+    one = run_policy(burst, "kv_aware", _replicas(), tokens)
+    shared = run_policy(burst, "kv_aware", _replicas(routers=4), tokens)
+    apart = run_policy(burst, "kv_aware", _replicas(routers=4, share=False), tokens)
+    worker_sets = [{r.worker for r in run.requests} for run in (one, shared, apart)]
+    # Sharing: the 4 replicas place the burst as one router does, on one worker.
+    assert [r.worker for r in shared.requests] == [r.worker for r in one.requests]
+    assert len(worker_sets[0]) == 1
+    # Without: each replica's first request of the burst is a tie (no events yet, no load
+    # seen), broken by its own seed: the prefix lands on several workers.
+    assert len(worker_sets[2]) > 1
+    assert summarise(apart)["hit_ratio"] < summarise(shared)["hit_ratio"]
+
+
+def test_without_events_the_router_routes_by_what_it_sent(
+    trace: list[TraceRequest], tokens: TokenSource
+) -> None:
+    # Every request is done before the next and nothing is evicted: what the router sent a
+    # worker is what it holds, so routing on that finds every prompt block the events would.
+    exact = run_policy(trace, "kv_aware", sequential(), tokens)
+    approximate = run_policy(trace, "kv_aware", replace(sequential(), no_events=True), tokens)
+    assert approximate.num_events == exact.num_events > 0  # the workers made them; unread
+    assert summarise(approximate)["hit_ratio"] == summarise(exact)["hit_ratio"] > 0
+
+
+def test_replica_flags_reach_the_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["replay", "--trace", str(DEMO_TRACE), "--limit", "20", "--workers", "2"]
+    argv += ["--routers", "0", "--json"]
+    assert cli_main(argv) == 2
+    assert capsys.readouterr().err == "kvmesh replay: error: routers: must be >= 1, got 0\n"

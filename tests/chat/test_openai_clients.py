@@ -76,12 +76,10 @@ def _ids(tokenizer: Any, chat: list[Any]) -> list[int]:
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
+    """How many leading ids ``a`` and ``b`` share."""
+    return next(
+        (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
+    )
 
 
 def test_the_openai_sdk_through_the_router(

@@ -31,7 +31,7 @@ function makeCard(name) {
   // Routed by what was sent to it (no KV events: kvmesh register), said on the card.
   const approximate = el(
     "span",
-    { class: "badge approximate", title: "no KV events: routed by what routers sent it" },
+    { class: "tag approximate", title: "no KV events: routed by what routers sent it" },
     "approximate",
   );
   const model = el("span", { class: "model" });

@@ -1,0 +1,229 @@
+"""``DecisionShare``: router replicas of one mind. Every router publishes its own flights
+(a request begun on a worker, its prefill done, its end) to one Redis stream, and applies the
+other routers' to its ``RouterCore``: their requests count in each worker's in-flight load, and
+their block hashes in its predicted cache. N routers behind a plain load balancer then choose
+as one router would, instead of each knowing only its own burst (the failure Dynamo #11035 and
+llm-d #1946 describe).
+
+Wire: ``kvmesh:{routers}:decisions`` (``events.keys``), one entry per flight change, fields
+``r`` (router id), ``k`` (``b`` begun, ``p`` prefilled, ``f`` finished), ``q`` (request id), and
+on ``b`` also ``w`` (worker), ``t`` (uncached prompt tokens), ``n`` (blocks) and ``h`` (the
+prompt's block hashes, 8 bytes each, little-endian). ``XADD ... MAXLEN ~`` keeps it bounded.
+Publishing never waits on Redis: entries queue in memory and a task writes them in one pipeline
+every ``flush_interval_s``; if Redis does not answer they are dropped (counted), and the others'
+views heal as below.
+
+Liveness: each router refreshes ``kvmesh:{routers}:alive:<id>`` (TTL ``alive_ttl_s``); a router
+whose key is gone (it died mid-request, or Redis restarted empty) has its flights ended in every
+other router at the next check, and a flight older than ``max_flight_s`` ends anyway (its end
+was lost). A stream entry that does not parse is counted and skipped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+from collections.abc import Sequence
+from typing import Any, cast
+
+import numpy as np
+from redis.asyncio import Redis
+
+from app.router.core import InFlight, RouterCore
+from events import keys
+from events.redis_io import REDIS_ERRORS
+
+__all__ = ["DecisionShare", "default_router_id"]
+
+logger = logging.getLogger(__name__)
+
+
+def default_router_id() -> str:
+    """``<host>-<pid>``: unique among the routers of a fleet."""
+    host = "".join(c if c.isalnum() or c in "-_." else "-" for c in socket.gethostname())
+    return f"{host or 'router'}-{os.getpid()}"
+
+
+class DecisionShare:
+    """See the module docstring."""
+
+    def __init__(
+        self,
+        redis: Redis,
+        router_id: str,
+        core: RouterCore,
+        *,
+        flush_interval_s: float = 0.002,
+        alive_ttl_s: float = 3.0,
+        max_flight_s: float = 600.0,
+        maxlen: int = 100_000,
+    ) -> None:
+        self.redis = redis
+        self.router_id = keys.validate_worker_id(router_id)
+        self.core = core
+        self.flush_interval_s = flush_interval_s
+        self.alive_ttl_s = alive_ttl_s
+        self.max_flight_s = max_flight_s
+        self.maxlen = maxlen
+        self._queue: list[dict[Any, Any]] = []
+        self._wake = asyncio.Event()
+        self._last_id = "$"
+        self._tasks: list[asyncio.Task[None]] = []
+        self._closing = False
+        self.num_published = 0
+        self.bytes_published = 0
+        self.num_dropped = 0
+        self.num_applied = 0
+        self.num_malformed = 0
+        self.num_forgotten = 0
+        self.others: set[str] = set()  # routers whose flights we hold
+        core.flight_hooks.append(self._on_flight)
+
+    # -- publishing ----------------------------------------------------------------------------
+
+    def _on_flight(self, kind: str, flight: InFlight, block_hashes: Sequence[int]) -> None:
+        entry: dict[Any, Any] = {"r": self.router_id, "k": kind[0]}
+        entry["q"] = flight.request_id
+        if kind == "begin":
+            entry.update(w=flight.worker, t=flight.prefill_tokens, n=flight.blocks)
+            entry["h"] = np.asarray(block_hashes, dtype="<u8").tobytes()
+        self._queue.append(entry)
+        self._wake.set()
+
+    async def _flush_loop(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            await asyncio.sleep(self.flush_interval_s)  # gather what comes meanwhile
+            batch, self._queue = self._queue, []
+            if not batch:
+                continue
+            try:
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    for entry in batch:
+                        pipe.xadd(keys.DECISIONS_KEY, entry, maxlen=self.maxlen, approximate=True)
+                    await pipe.execute()
+            except REDIS_ERRORS as exc:
+                self.num_dropped += len(batch)
+                logger.warning(
+                    "router %s: sharing failed, %d dropped: %s", self.router_id, len(batch), exc
+                )
+                continue
+            self.num_published += len(batch)
+            self.bytes_published += sum(
+                len(k) + len(v if isinstance(v, (bytes, str)) else str(v))
+                for entry in batch
+                for k, v in entry.items()
+            )
+
+    # -- applying the others' ------------------------------------------------------------------
+
+    async def _read_loop(self) -> None:
+        # Ends when asked (``_closing``), between two reads: a blocking XREAD cancelled halfway
+        # can leave redis-py's connection waiting for ever.
+        while not self._closing:
+            try:
+                answer: Any = await self.redis.xread(
+                    {keys.DECISIONS_KEY: self._last_id}, count=1_000, block=100
+                )
+            except REDIS_ERRORS as exc:
+                logger.warning(
+                    "router %s: reading shared decisions failed: %s", self.router_id, exc
+                )
+                await asyncio.sleep(0.5)
+                continue
+            for _key, entries in answer or ():
+                for entry_id, fields in entries:
+                    self._last_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+                    self._apply(fields)
+
+    def _apply(self, fields: dict[bytes, bytes]) -> None:
+        try:
+            router = fields[b"r"].decode()
+            if router == self.router_id:
+                return
+            kind, request_id = fields[b"k"], fields[b"q"].decode()
+            core = self.core
+            if kind == b"b":
+                hashes = np.frombuffer(fields[b"h"], dtype="<u8").tolist()
+                core.begin_remote(
+                    router,
+                    request_id,
+                    fields[b"w"].decode(),
+                    int(fields[b"t"]),
+                    int(fields[b"n"]),
+                    hashes,
+                )
+                self.others.add(router)
+            elif kind == b"p":
+                core.prefilled_remote(router, request_id)
+            elif kind == b"f":
+                core.finish_remote(router, request_id)
+            else:
+                raise ValueError(f"kind {kind!r}")
+        except (KeyError, ValueError, UnicodeDecodeError):
+            self.num_malformed += 1
+            return
+        self.num_applied += 1
+
+    async def _alive_loop(self) -> None:
+        interval = self.alive_ttl_s / 3
+        while True:
+            try:
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    pipe.set(
+                        keys.router_alive_key(self.router_id), 1, px=int(self.alive_ttl_s * 1e3)
+                    )
+                    others = sorted(self.others)
+                    for other in others:
+                        pipe.exists(keys.router_alive_key(other))
+                    answers = await pipe.execute()
+            except REDIS_ERRORS as exc:
+                logger.warning("router %s: heartbeat failed: %s", self.router_id, exc)
+            else:
+                for other, alive in zip(others, answers[1:], strict=True):
+                    if not alive:  # it died (or Redis restarted empty): its flights end
+                        self.num_forgotten += self.core.forget_remote(router=other)
+                        self.others.discard(other)
+                self.num_forgotten += self.core.forget_remote(older_than_s=self.max_flight_s)
+            await asyncio.sleep(interval)
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        # Read from the stream's end as it is now: an XREAD from "$" twice would miss what
+        # was added between the two calls.
+        with contextlib.suppress(*REDIS_ERRORS):
+            last = cast(list[Any], await self.redis.xrevrange(keys.DECISIONS_KEY, count=1))
+            self._last_id = last[0][0].decode() if last else "0-0"
+        self._tasks = [  # the reader first: aclose lets it end by itself
+            asyncio.create_task(loop(), name=f"kvmesh-share-{loop.__name__}")
+            for loop in (self._read_loop, self._flush_loop, self._alive_loop)
+        ]
+
+    async def aclose(self) -> None:
+        self._closing = True
+        for task in self._tasks[1:]:  # not the reader (see _read_loop)
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, TimeoutError):
+                await asyncio.wait_for(task, timeout=2.0)
+        with contextlib.suppress(*REDIS_ERRORS):
+            await self.redis.delete(keys.router_alive_key(self.router_id))
+
+    def stats(self) -> dict[str, Any]:
+        per_request = self.bytes_published / max(self.num_published / 3, 1)
+        return {
+            "router_id": self.router_id,
+            "published": self.num_published,
+            "dropped": self.num_dropped,
+            "applied": self.num_applied,
+            "malformed": self.num_malformed,
+            "forgotten": self.num_forgotten,
+            "other_routers": sorted(self.others),
+            "remote_inflight": len(self.core.remote),
+            "bytes_published_per_request": round(per_request, 1),
+        }
