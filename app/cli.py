@@ -208,6 +208,15 @@ def build_parser() -> argparse.ArgumentParser:
         # SUPPRESS: a flag given before NAME (``bench --json NAME``, as before NAME had a parser
         # of its own) is not overwritten by this parser's default.
         _add_bench_flags(one, default=argparse.SUPPRESS, quick=f"a small run: {quick}")
+        if name == "router":
+            one.add_argument(
+                "--rate",
+                type=_positive_rate,
+                default=None,
+                metavar="R",
+                help="offered rate of POST /route, requests/s, open loop (default: 1000; "
+                "with --quick 200)",
+            )
     bench.set_defaults(handler=_cmd_bench)
 
     wait = sub.add_parser(
@@ -241,6 +250,16 @@ def build_parser() -> argparse.ArgumentParser:
     register.set_defaults(handler=_cmd_register)
 
     return parser
+
+
+def _positive_rate(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not (value > 0 and value != float("inf")):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
 
 
 def _add_bench_flags(parser: argparse.ArgumentParser, *, default: Any, quick: str) -> None:

@@ -28,7 +28,8 @@ connections, then ``NUM_WARMUP`` one after the other).
 
 Timed: ``POST /route`` with ``{"prompt_token_ids": [...]}`` (bodies serialised beforehand with
 orjson), open loop: request ``i`` is due at ``start + i / rate`` whatever the answers before
-it; 1,000 requests/s for 10 s (``--quick``: 200/s for 1 s), cycling over the requests. Each is
+it; 1,000 requests/s for 10 s (``--quick``: 200/s for 1 s; ``--rate R`` sets the rate),
+cycling over the requests. Each is
 sent on an idle connection from a pool of ``NUM_CLIENTS`` keep-alive connections, through a
 minimal HTTP/1.1 client (``app.bench.http_client``; httpx cost as much CPU per request as the
 router).
@@ -588,6 +589,8 @@ def measure(num_events: int, num_requests: int, rate: float, duration_s: float) 
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    if getattr(args, "quick", False):
-        return measure(NUM_EVENTS_QUICK, NUM_REQUESTS_QUICK, RATE_QUICK, DURATION_QUICK_S)
-    return measure(NUM_EVENTS, NUM_REQUESTS, RATE, DURATION_S)
+    quick = getattr(args, "quick", False)
+    rate = getattr(args, "rate", None) or (RATE_QUICK if quick else RATE)  # --rate R
+    if quick:
+        return measure(NUM_EVENTS_QUICK, NUM_REQUESTS_QUICK, rate, DURATION_QUICK_S)
+    return measure(NUM_EVENTS, NUM_REQUESTS, rate, DURATION_S)

@@ -11,10 +11,11 @@ from typing import Any
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_quick_bench(name: str, *, timeout_s: float = 300) -> dict[str, Any]:
-    """The JSON object on the last line of a quick run (the run must succeed)."""
+def run_quick_bench(name: str, *extra: str, timeout_s: float = 300) -> dict[str, Any]:
+    """The JSON object on the last line of a quick run (the run must succeed); ``extra``: the
+    bench's own flags."""
     result = subprocess.run(
-        [sys.executable, "-m", "app", "bench", name, "--quick", "--json"],
+        [sys.executable, "-m", "app", "bench", name, "--quick", "--json", *extra],
         capture_output=True,
         text=True,
         timeout=timeout_s,

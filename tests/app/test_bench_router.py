@@ -66,7 +66,7 @@ def test_events_are_renumbered_per_worker_without_gaps() -> None:
 
 
 def test_quick_run_from_the_command_line() -> None:
-    report = run_quick_bench("router")
+    report = run_quick_bench("router", "--rate", "150")
     assert report.keys() >= KEYS
     assert report["workers"] == report["router_workers"] == NUM_WORKERS
     assert report["prompt_tokens"] == REQUEST_TOKENS
@@ -78,7 +78,8 @@ def test_quick_run_from_the_command_line() -> None:
     for part in ("hash", "match", "candidates", "policy"):
         assert 0 < report[f"{part}_p50_us"] <= report["decision_p99_us"], part
 
-    num_requests = round(RATE_QUICK * DURATION_QUICK_S)
+    num_requests = round(150 * DURATION_QUICK_S)  # --rate 150, not RATE_QUICK
+    assert num_requests != round(RATE_QUICK * DURATION_QUICK_S)
     assert report["http_errors"] == 0, report["http_error_samples"]
     assert report["http_ok"] == report["http_requests"] == num_requests
     assert report["http_rate"] > 0

@@ -86,9 +86,11 @@ def test_the_openai_sdk_through_the_router(
     embedded_redis: EmbeddedRedis, tokenizers: dict[str, Path]
 ) -> None:
     hf = {name: AutoTokenizer.from_pretrained(str(path)) for name, path in tokenizers.items()}
-    with _fleet(embedded_redis.url, tokenizers) as (base, served):
-        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
-
+    with (
+        _fleet(embedded_redis.url, tokenizers) as (base, served),
+        # Closed with the fleet: its keep-alive sockets must not outlive the router.
+        openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0) as client,
+    ):
         listed = client.models.list()
         assert [(m.id, m.object, m.owned_by) for m in listed.data] == [
             ("llama", "model", "kvmesh"),
