@@ -96,9 +96,34 @@ class ChatMessage(BaseModel):
             if not arguments:
                 function["arguments"] = {}
             elif isinstance(arguments, str):
-                with contextlib.suppress(ValueError):  # not JSON: the template gets the string
+                # not JSON (or nested past the parser's depth): the template gets the string
+                with contextlib.suppress(ValueError, RecursionError):
                     function["arguments"] = json.loads(arguments)
         return out
+
+
+# apply_chat_template's own parameters: a client must not swap the model's template (the
+# router's ids would no longer be the engine's; vLLM refuses it too) nor steer the call.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    (
+        "chat_template",
+        "tokenize",
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "add_generation_prompt",
+        "continue_final_message",
+        "return_dict",
+        "return_tensors",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+        "padding",
+        "truncation",
+        "max_length",
+        "sanitize_control_tokens",
+    )
+)
 
 
 def template_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
@@ -188,6 +213,17 @@ class ChatCompletionRequest(BaseModel):
     def _no_top_logprobs(cls, value: int | None) -> int | None:
         if value is not None:
             raise ValueError("not supported; leave it out")
+        return value
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _no_reserved_kwargs(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        reserved = sorted(set(value or ()) & RESERVED_TEMPLATE_KWARGS)
+        if reserved:
+            raise ValueError(
+                f"{', '.join(reserved)}: not a template variable a client may set (the model's "
+                "template and the request's own fields decide these)"
+            )
         return value
 
     @model_validator(mode="after")

@@ -142,9 +142,10 @@ class ModelTokenizer:
             )
         except TemplateError as exc:
             raise ChatTemplateError(f"the chat template refused this chat: {exc}") from None
-        except (ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:
-            # transformers' own checks (continue_final_message with no final message, ...) and
-            # a template that reads a field this chat lacks
+        except Exception as exc:  # whatever a template does with a client's input
+            # transformers' own checks (continue_final_message with no final message, ...), a
+            # template reading a field this chat lacks, arithmetic or nesting it cannot take:
+            # all are this request's fault, none may become a 500
             raise ChatTemplateError(f"the chat cannot be rendered: {_one_line(exc)}") from None
         return text
 

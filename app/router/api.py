@@ -244,12 +244,14 @@ async def _proxy(
             )
         except httpx.HTTPError as exc:
             core.finish(request_id)
+            core.unpredict(worker, hashes)  # it never got the request
             failures.append(f"{worker}: {type(exc).__name__}")
             metrics.retries.inc()
             continue
         if upstream.status_code in _RETRY_STATUSES:
             await upstream.aclose()
             core.finish(request_id)
+            core.unpredict(worker, hashes)
             failures.append(f"{worker}: HTTP {upstream.status_code}")
             metrics.retries.inc()
             continue

@@ -35,8 +35,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import numpy.typing as npt
 
@@ -48,117 +47,18 @@ from app.router.policies import (
     Weights,
     policy_named,
 )
+from app.router.views import InFlight, RoutingState, WorkerView
 from cache import block_hashes_for_tokens, cache_salt_id
 from events.index import PrefixIndex
 
 __all__ = ["InFlight", "NoWorkerError", "RouterCore", "RoutingState", "WorkerView"]
 
-RoutingState = Literal["up", "stale", "draining", "cordoned"]
 _NO_MATCH = (0, 0)
 MAX_SESSIONS = 100_000
 
 
 class NoWorkerError(Exception):
     """No worker can take the request (none registered and alive, or all excluded)."""
-
-
-@dataclass(slots=True)
-class WorkerView:
-    worker: str
-    url: str | None = None
-    model: str | None = None  # the model it serves (None: any; an engine ingested unnamed)
-    foreign: bool = False  # an engine behind kvmesh ingest: it takes the client's body as sent
-    approximate: bool = False  # no KV events: matched against what this router sent it
-    capacity_blocks: int = 0
-    draining: bool = False  # the worker said so in its registry entry
-    cordon: str | None = None  # "cordoned" or "draining": an operator's (app.cluster.fleet)
-    stale_reason: str | None = None  # why its index data or load is not current; None: fresh
-    load: dict[str, int] = field(default_factory=dict)  # as the worker last reported it
-    # The router's own accounting of what it sent there.
-    inflight_prefill_tokens: int = 0
-    inflight_running: int = 0
-    inflight_blocks: int = 0
-    num_decisions: int = 0
-    # What the other routers sent there, as they shared it (app.router.share).
-    remote_prefill_tokens: int = 0
-    remote_running: int = 0
-    remote_blocks: int = 0
-    _terms: tuple[int, int, int, int] | None = None
-
-    def load_terms(self) -> tuple[int, int, int, int]:
-        """(queued prefill tokens, running, active blocks, free blocks): the worker's report
-        combined with the router's own accounting, which is newer. Cached until either
-        changes (``changed``), since every request reads it for every worker."""
-        terms = self._terms
-        if terms is None:
-            terms = self._terms = self._load_terms()
-        return terms
-
-    def changed(self) -> None:
-        self._terms = None
-
-    def _load_terms(self) -> tuple[int, int, int, int]:
-        prefill = self.inflight_prefill_tokens + self.remote_prefill_tokens
-        running = self.inflight_running + self.remote_running
-        blocks = self.inflight_blocks + self.remote_blocks
-        load = self.load
-        if not load:
-            return prefill, running, blocks, self.capacity_blocks
-        reported_running = load.get("running_requests", load.get("active_sequences", 0))
-        free = load.get("free_blocks_0", self.capacity_blocks)
-        return (
-            prefill,
-            max(running, reported_running + load.get("waiting_requests", 0)),
-            max(blocks, load.get("used_blocks_0", 0)),
-            max(free - blocks, 0),
-        )
-
-    @property
-    def admitting(self) -> bool:
-        """Whether new requests may go there."""
-        return not self.draining and self.cordon is None
-
-    @property
-    def state(self) -> RoutingState:
-        if self.draining or self.cordon == "draining":
-            return "draining"
-        if self.cordon is not None:
-            return "cordoned"
-        return "stale" if self.stale_reason is not None else "up"
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "worker": self.worker,
-            "url": self.url,
-            "model": self.model,
-            "approximate": self.approximate,
-            "state": self.state,
-            "stale_reason": self.stale_reason,
-            "capacity_blocks": self.capacity_blocks,
-            "load": dict(self.load),
-            "inflight": {
-                "prefill_tokens": self.inflight_prefill_tokens,
-                "running": self.inflight_running,
-                "blocks": self.inflight_blocks,
-            },
-            "other_routers": {
-                "prefill_tokens": self.remote_prefill_tokens,
-                "running": self.remote_running,
-                "blocks": self.remote_blocks,
-            },
-            "decisions": self.num_decisions,
-        }
-
-
-@dataclass(slots=True)
-class InFlight:
-    request_id: str
-    worker: str
-    prefill_tokens: int  # uncached prompt tokens, until prefilled
-    blocks: int
-    prefilled: bool = False
-    router: str = ""  # another router's id, for a flight it shared; "" for this router's own
-    started_at: float = 0.0  # the core's clock when it began (for the remote ones' age)
 
 
 class RouterCore:
@@ -218,6 +118,7 @@ class RouterCore:
         if view is None:
             view = self.workers[worker] = WorkerView(worker)
             self._order = sorted(self.workers)
+            self._recount(view)  # back after a lapse: its requests still in flight count
         view.url = url
         if model != view.model:
             self._named = None
@@ -230,6 +131,22 @@ class RouterCore:
         view.draining = draining
         view.cordon = cordon
         return view
+
+    def _recount(self, view: WorkerView) -> None:
+        """A new view's in-flight figures, from the flights (its own and the other routers')
+        that went to its worker and have not ended."""
+        for flight in [*self.inflight.values(), *self.remote.values()]:
+            if flight.worker != view.worker:
+                continue
+            prefill = 0 if flight.prefilled else flight.prefill_tokens
+            if flight.router:
+                view.remote_prefill_tokens += prefill
+                view.remote_running += 1
+                view.remote_blocks += flight.blocks
+            else:
+                view.inflight_prefill_tokens += prefill
+                view.inflight_running += 1
+                view.inflight_blocks += flight.blocks
 
     def remove_worker(self, worker: str) -> None:
         """Stop routing to ``worker`` (its in-flight requests stay counted until they finish)."""
@@ -541,15 +458,27 @@ class RouterCore:
         if self.approx_ttl_s <= 0:
             return
         expiry = self.clock() + self.approx_ttl_s
-        predicted = self._predicted.setdefault(view.worker, {})
-        for block_hash in block_hashes:  # re-inserted: the dict's order is the recency order
-            predicted.pop(block_hash, None)
+        predicted = self._predicted.get(view.worker)
+        if not isinstance(predicted, OrderedDict):
+            predicted = self._predicted[view.worker] = OrderedDict(predicted or {})
+        # Most recent last, and within one prompt its root last: over capacity, the least
+        # recently sent go first, and of one chain its leaves before its root (a prefix is
+        # only ever matched from the root).
+        for block_hash in reversed(block_hashes):
             predicted[block_hash] = expiry
+            predicted.move_to_end(block_hash)
         capacity = view.capacity_blocks
         if capacity > 0:
-            while len(predicted) > capacity:  # the least recently sent go first
-                del predicted[next(iter(predicted))]
+            while len(predicted) > capacity:
+                predicted.popitem(last=False)
         self._approx_expiries.append((expiry, view.worker, block_hashes))
+
+    def unpredict(self, worker: str, block_hashes: Sequence[int]) -> None:
+        """Forget that ``worker`` holds ``block_hashes``: the request never reached it."""
+        predicted = self._predicted.get(worker)
+        if predicted:
+            for block_hash in block_hashes:
+                predicted.pop(block_hash, None)
 
     def num_predicted(self, worker: str) -> int:
         now = self.clock()

@@ -110,6 +110,15 @@ class RouterSettings(Settings):
             _load(value)
         return value
 
+    @field_validator("router_id")
+    @classmethod
+    def _router_id_is_a_key_part(cls, value: str | None) -> str | None:
+        if value is not None:
+            from events.keys import validate_worker_id
+
+            validate_worker_id(value)  # its ValueError says what is wrong ("worker id ...")
+        return value
+
     @field_validator("models", mode="before")
     @classmethod
     def _comma_list(cls, value: object) -> object:

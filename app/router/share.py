@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import secrets
 import socket
 from collections.abc import Sequence
 from typing import Any, cast
@@ -63,6 +64,10 @@ class DecisionShare:
     ) -> None:
         self.redis = redis
         self.router_id = keys.validate_worker_id(router_id)
+        # What the others know this process by: the id and a nonce, so that a router restarted
+        # under the same id (a container's pid, a fixed --router-id) within the heartbeat TTL
+        # is a new one, and the flights of the one that died still end.
+        self.instance = f"{self.router_id}.{secrets.token_hex(4)}"
         self.core = core
         self.flush_interval_s = flush_interval_s
         self.alive_ttl_s = alive_ttl_s
@@ -85,7 +90,7 @@ class DecisionShare:
     # -- publishing ----------------------------------------------------------------------------
 
     def _on_flight(self, kind: str, flight: InFlight, block_hashes: Sequence[int]) -> None:
-        entry: dict[Any, Any] = {"r": self.router_id, "k": kind[0]}
+        entry: dict[Any, Any] = {"r": self.instance, "k": kind[0]}
         entry["q"] = flight.request_id
         if kind == "begin":
             entry.update(w=flight.worker, t=flight.prefill_tokens, n=flight.blocks)
@@ -125,6 +130,8 @@ class DecisionShare:
         # Ends when asked (``_closing``), between two reads: a blocking XREAD cancelled halfway
         # can leave redis-py's connection waiting for ever.
         while not self._closing:
+            if self._last_id == "$":  # the start could not read where the stream ends
+                await self._find_end()
             try:
                 answer: Any = await self.redis.xread(
                     {keys.DECISIONS_KEY: self._last_id}, count=1_000, block=100
@@ -143,7 +150,7 @@ class DecisionShare:
     def _apply(self, fields: dict[bytes, bytes]) -> None:
         try:
             router = fields[b"r"].decode()
-            if router == self.router_id:
+            if router == self.instance:
                 return
             kind, request_id = fields[b"k"], fields[b"q"].decode()
             core = self.core
@@ -175,7 +182,7 @@ class DecisionShare:
             try:
                 async with self.redis.pipeline(transaction=False) as pipe:
                     pipe.set(
-                        keys.router_alive_key(self.router_id), 1, px=int(self.alive_ttl_s * 1e3)
+                        keys.router_alive_key(self.instance), 1, px=int(self.alive_ttl_s * 1e3)
                     )
                     others = sorted(self.others)
                     for other in others:
@@ -196,9 +203,7 @@ class DecisionShare:
     async def start(self) -> None:
         # Read from the stream's end as it is now: an XREAD from "$" twice would miss what
         # was added between the two calls.
-        with contextlib.suppress(*REDIS_ERRORS):
-            last = cast(list[Any], await self.redis.xrevrange(keys.DECISIONS_KEY, count=1))
-            self._last_id = last[0][0].decode() if last else "0-0"
+        await self._find_end()
         self._tasks = [  # the reader first: aclose lets it end by itself
             asyncio.create_task(loop(), name=f"kvmesh-share-{loop.__name__}")
             for loop in (self._read_loop, self._flush_loop, self._alive_loop)
@@ -212,12 +217,18 @@ class DecisionShare:
             with contextlib.suppress(asyncio.CancelledError, TimeoutError):
                 await asyncio.wait_for(task, timeout=2.0)
         with contextlib.suppress(*REDIS_ERRORS):
-            await self.redis.delete(keys.router_alive_key(self.router_id))
+            await self.redis.delete(keys.router_alive_key(self.instance))
+
+    async def _find_end(self) -> None:
+        with contextlib.suppress(*REDIS_ERRORS):
+            last = cast(list[Any], await self.redis.xrevrange(keys.DECISIONS_KEY, count=1))
+            self._last_id = last[0][0].decode() if last else "0-0"
 
     def stats(self) -> dict[str, Any]:
         per_request = self.bytes_published / max(self.num_published / 3, 1)
         return {
             "router_id": self.router_id,
+            "instance": self.instance,
             "published": self.num_published,
             "dropped": self.num_dropped,
             "applied": self.num_applied,

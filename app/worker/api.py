@@ -44,7 +44,7 @@ from app.core.http import (
 from app.core.lifespan import runtime_of
 from app.core.middleware import BodyLimit
 from app.worker import schemas
-from app.worker.chat import chat_body, chat_job, chat_stream
+from app.worker.chat import chat_body, chat_job, chat_stream, stop_watch
 from app.worker.completions import completion_body, make_job, timings_of
 from app.worker.engine import DrainingError, DuplicateJobError, EngineError, Job, QueueFullError
 from app.worker.metrics import CONTENT_TYPE
@@ -165,7 +165,11 @@ def _inference_router() -> APIRouter:
             return _streaming(
                 chat_stream(runtime.engine, job, body, runtime.tokenizer, model, created)
             )
-        failed = await _finish(runtime, job, request)
+        watch = asyncio.ensure_future(stop_watch(runtime.engine, job, body, runtime.tokenizer))
+        try:
+            failed = await _finish(runtime, job, request)
+        finally:
+            watch.cancel()
         if failed is not None:
             return failed
         timings = timings_of(settings.worker_id, job)

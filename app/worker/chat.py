@@ -2,7 +2,8 @@
 output as OpenAI's ``chat.completion`` (or its ``chat.completion.chunk`` stream).
 
 The prompt is the router's ``prompt_token_ids`` when it sent them (it rendered the chat with
-the same tokenizer, so rendering twice would only cost time), else the chat rendered here.
+the same tokenizer, so rendering twice would only cost time), else the chat rendered here. A
+worker without a tokenizer serves no chat: its answer could not be text.
 Generated ids are decoded with the tokenizer; ``stop`` strings end the answer where the first
 one appears (``finish_reason: "stop"``), as OpenAI's servers do.
 """
@@ -20,7 +21,7 @@ from app.worker.completions import tokens_job, usage
 from app.worker.engine import Engine, Job
 from app.worker.settings import ModelShape
 
-__all__ = ["chat_body", "chat_job", "chat_stream"]
+__all__ = ["chat_body", "chat_job", "chat_stream", "stop_watch"]
 
 
 def chat_job(
@@ -31,13 +32,13 @@ def chat_job(
 ) -> Job:
     """Check a chat request and render it (unless the router sent its ids); a Job or
     BadRequest naming the field."""
-    if body.prompt_token_ids is not None:
-        tokens, param = body.prompt_token_ids, "prompt_token_ids"
-    elif tokenizer is None:
+    if tokenizer is None:  # even with the router's ids: its answer could not be text
         raise BadRequest(
-            "messages: this worker has no tokenizer (--tokenizer DIR) to render a chat with",
+            "messages: this worker has no tokenizer (--tokenizer DIR) to serve a chat with",
             param="messages",
         )
+    if body.prompt_token_ids is not None:
+        tokens, param = body.prompt_token_ids, "prompt_token_ids"
     else:
         try:
             tokens = tokenizer.encode_chat(body.template_messages(), **body.render_options())
@@ -108,6 +109,22 @@ def chat_body(
     }
 
 
+async def stop_watch(
+    engine: Engine, job: Job, body: ChatCompletionRequest, tokenizer: ModelTokenizer | None
+) -> None:
+    """Cancel ``job`` once its text holds a stop string (a non-streamed answer's end: the
+    tokens after it are not generated, as the stream does)."""
+    stops = _stops(body)
+    if not stops or tokenizer is None:
+        return
+    while not job.finished:
+        job.updated.clear()
+        if _cut(tokenizer.decode(job.output), stops) is not None:
+            engine.cancel(job.job_id)
+            return
+        await job.updated.wait()
+
+
 def _sse(data: Any) -> bytes:
     return b"data: " + orjson.dumps(data) + b"\n\n"
 
@@ -140,22 +157,30 @@ async def chat_stream(
 
     sent_text = ""
     finish: str | None = None
+    role_sent = False
     try:
-        yield chunk({"role": "assistant", "content": ""}, None)
         while finish is None:
             job.updated.clear()
-            text = _text(tokenizer, job.output)
-            cut = _cut(text, stops)
-            if cut is not None:
-                text, finish = text[:cut], "stop"
-                engine.cancel(job.job_id)
-            elif job.finished:
-                finish = job.finish_reason or "length"
-            # Hold back what could still become a stop string, and a partial UTF-8 character.
-            ready = text if finish is not None else text[: len(text) - _held(text, stops)]
-            if len(ready) > len(sent_text) and ready.startswith(sent_text):
-                yield chunk({"content": ready[len(sent_text) :]}, None)
-                sent_text = ready
+            if job.output or job.finished:
+                # The role goes with the first output, not before: a router takes the first
+                # chunk of a stream as the end of the request's prefill.
+                if not role_sent:
+                    yield chunk({"role": "assistant", "content": ""}, None)
+                    role_sent = True
+                text = _text(tokenizer, job.output)
+                cut = _cut(text, stops)
+                if cut is not None:
+                    text, finish = text[:cut], "stop"
+                    engine.cancel(job.job_id)
+                elif job.finished:
+                    finish = job.finish_reason or "length"
+                # Hold back what could still become a stop string, and a partial character.
+                ready = text if finish is not None else text[: len(text) - _held(text, stops)]
+                if len(ready) > len(sent_text):
+                    # (A byte-fallback decoder may re-decode bytes already sent differently;
+                    # then the client's text differs there, but nothing is dropped.)
+                    yield chunk({"content": ready[len(sent_text) :]}, None)
+                    sent_text = ready
             if finish is None:
                 await job.updated.wait()
         yield chunk({}, finish)
@@ -177,9 +202,10 @@ async def chat_stream(
 
 
 def _held(text: str, stops: Sequence[str]) -> int:
-    """Characters at the end of ``text`` not to send yet: a replacement character (a UTF-8
-    sequence the next token completes), or the start of a stop string."""
-    held = 1 if text.endswith("\ufffd") else 0
+    """Characters at the end of ``text`` not to send yet: the trailing replacement characters
+    (a UTF-8 sequence the next tokens complete: a byte-fallback decoder gives one per byte, and
+    may decode them again as one character), or the start of a stop string."""
+    held = len(text) - len(text.rstrip("\ufffd"))
     for stop in stops:
         for n in range(min(len(stop) - 1, len(text)), 0, -1):
             if text.endswith(stop[:n]):

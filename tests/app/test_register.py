@@ -2,7 +2,8 @@
 OpenAI-compatible server (a small FastAPI app in the test, on a real port) in the registry, and
 a real ``kvmesh router`` places each conversation's next turn on the server it sent the last one
 to, marked ``approximate``. The router's approximate prefix tree: what it sent, for its TTL,
-within the worker's capacity (least recently sent dropped first)."""
+within the worker's capacity (least recently sent dropped first, a chain's leaves before its
+root)."""
 
 from __future__ import annotations
 
@@ -158,11 +159,12 @@ def test_the_approximate_tree_keeps_what_was_sent_within_capacity_and_ttl() -> N
     # Past the exact workers' 2 s prediction, the approximate worker still holds it.
     now[0] += 30.0
     assert core.candidates(h1)[0].matched_blocks == 3
-    # Over its capacity (5 blocks), the least recently sent go first: h1's first two blocks.
+    # Over its capacity (5 blocks), the least recently sent go first, leaves before roots: h1's
+    # last block, so h1 still matches its first two.
     core.begin("r2", core.decide(h2, 12, exclude=("x",)), h2, 12)
     assert core.num_predicted("a") == 5
     assert [c.matched_blocks for c in core.candidates(h2)] == [3, 0]
-    assert core.candidates(h1)[0].matched_blocks == 0  # its first block is gone
+    assert core.candidates(h1)[0].matched_blocks == 2
     # After the TTL, nothing is left.
     now[0] += 61.0
     assert core.candidates(h2)[0].matched_blocks == 0

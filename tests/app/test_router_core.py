@@ -191,3 +191,30 @@ def test_host_tier_matches_and_salted_prompts() -> None:
     salted = core.hashes(tokens, cache_salt="tenant-a")
     assert salted != hashes
     assert [c.matched_blocks for c in core.candidates(salted)] == [0, 0]
+
+
+def test_a_worker_back_after_a_lapse_counts_its_flights_again() -> None:
+    core, _ = make_core(2)
+    tokens = list(range(64))
+    hashes = core.hashes(tokens)
+    core.begin("r1", core.decide(hashes, 64, exclude=("w1",)), hashes, 64)
+    core.begin_remote("other", "r2", "w0", 30, 2, [])
+    core.remove_worker("w0")  # its heartbeat lapsed
+    core.upsert_worker("w0", url="http://w0", capacity_blocks=10_000)
+    view = core.workers["w0"]
+    assert (view.inflight_prefill_tokens, view.inflight_running, view.inflight_blocks) == (64, 1, 4)
+    assert (view.remote_prefill_tokens, view.remote_running, view.remote_blocks) == (30, 1, 2)
+    core.finish("r1")
+    core.finish_remote("other", "r2")
+    assert (view.inflight_prefill_tokens, view.inflight_running, view.inflight_blocks) == (0, 0, 0)
+    assert (view.remote_prefill_tokens, view.remote_running, view.remote_blocks) == (0, 0, 0)
+
+
+def test_a_failed_attempt_leaves_no_prediction() -> None:
+    core, _ = make_core(2)
+    hashes = core.hashes(list(range(64)))
+    decision = core.decide(hashes, 64)
+    core.begin("r1", decision, hashes, 64)
+    core.finish("r1")
+    core.unpredict(decision.worker, hashes)
+    assert core.num_predicted(decision.worker) == 0

@@ -60,7 +60,7 @@ async def test_a_routers_flights_reach_the_other(clean_redis_url: str) -> None:
         hashes = a.core.hashes(prompt)
         decision = a.core.decide(hashes, 100, exclude=("w1",))
         a.core.begin("req-1", decision, hashes, 100)
-        await eventually(lambda: ("ra", "req-1") in b.core.remote)
+        await eventually(lambda: (a.instance, "req-1") in b.core.remote)
         view = b.core.workers["w0"]
         assert (view.remote_prefill_tokens, view.remote_running, view.remote_blocks) == (100, 1, 7)
         assert view.as_dict()["other_routers"] == {"prefill_tokens": 100, "running": 1, "blocks": 7}
@@ -93,7 +93,7 @@ async def test_a_dead_routers_flights_end(clean_redis_url: str) -> None:
     async with _shares(clean_redis_url, alive_ttl_s=0.6) as (a, b):
         hashes = a.core.hashes(list(range(64)))
         a.core.begin("req-1", a.core.decide(hashes, 64), hashes, 64)
-        await eventually(lambda: ("ra", "req-1") in b.core.remote)
+        await eventually(lambda: (a.instance, "req-1") in b.core.remote)
         for task in a._tasks[1:]:  # a dies: no more entries, no heartbeat
             task.cancel()
         await eventually(lambda: not b.core.remote, timeout_s=5.0)

@@ -118,6 +118,10 @@ async def test_stop_strings_and_the_stream(clean_redis_url: str, llama: Path) ->
         stopped = (await client.post("/v1/chat/completions", json={**request, "stop": stop})).json()
         assert stopped["choices"][0]["message"]["content"] == cut
         assert stopped["choices"][0]["finish_reason"] == "stop"
+        # The job ended at the stop: fewer than max_tokens generated, all of them reported.
+        generated = stopped["choices"][0]["token_ids"]
+        assert stopped["usage"]["completion_tokens"] == len(generated) < 12
+        assert content.startswith(AutoTokenizer.from_pretrained(str(llama)).decode(generated[:-1]))
         streamed = await client.post(
             "/v1/chat/completions", json={**request, "stop": [stop], "stream": True}
         )
@@ -204,21 +208,22 @@ async def test_a_template_that_raises_is_a_400_with_its_message(
     }
 
 
-async def test_without_a_tokenizer_a_worker_takes_the_routers_ids(clean_redis_url: str) -> None:
+async def test_a_worker_takes_the_routers_ids_and_without_a_tokenizer_no_chat(
+    clean_redis_url: str, llama: Path
+) -> None:
+    ids = list(range(40, 90))
+    with_ids = {"messages": CHAT, "prompt_token_ids": ids, "max_tokens": 2}
     async with worker_client(_settings(clean_redis_url, None)) as (client, _):
-        refused = await client.post("/v1/chat/completions", json={"messages": CHAT})
-        assert refused.status_code == 400
-        assert refused.json()["error"]["message"] == (
-            "messages: this worker has no tokenizer (--tokenizer DIR) to render a chat with"
-        )
-        ids = list(range(40, 90))
-        taken = await client.post(
-            "/v1/chat/completions",
-            json={"messages": CHAT, "prompt_token_ids": ids, "max_tokens": 2},
-        )
+        for body in ({"messages": CHAT}, with_ids):
+            refused = await client.post("/v1/chat/completions", json=body)
+            assert refused.status_code == 400
+            assert refused.json()["error"]["message"] == (
+                "messages: this worker has no tokenizer (--tokenizer DIR) to serve a chat with"
+            )
+    async with worker_client(_settings(clean_redis_url, llama)) as (client, _):
+        taken = await client.post("/v1/chat/completions", json=with_ids)
         assert taken.status_code == 200
-        assert taken.json()["usage"]["prompt_tokens"] == 50
-        assert taken.json()["choices"][0]["message"]["content"] == ""
+        assert taken.json()["usage"]["prompt_tokens"] == 50  # the router's ids, not a render
 
 
 def test_a_tokenizer_the_model_cannot_embed_is_refused_at_start(
@@ -236,3 +241,44 @@ def test_a_tokenizer_the_model_cannot_embed_is_refused_at_start(
     assert caught.value.errors()[0]["msg"] == (
         f"Value error, tokenizer: {llama / 'missing'}: no such file or directory"
     )
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"chat_template_kwargs": {"chat_template": "{{ 1 // 0 }}"}},
+        {"chat_template_kwargs": {"tokenize": True}},
+    ],
+)
+async def test_a_client_cannot_swap_the_template(
+    clean_redis_url: str, llama: Path, body: dict[str, Any]
+) -> None:
+    async with worker_client(_settings(clean_redis_url, llama)) as (client, _):
+        answer = await client.post("/v1/chat/completions", json={"messages": CHAT, **body})
+    assert answer.status_code == 400
+    error = answer.json()["error"]
+    assert error["param"] == "chat_template_kwargs"
+    reserved = next(iter(body["chat_template_kwargs"]))
+    assert error["message"] == (
+        f"chat_template_kwargs: {reserved}: not a template variable a client may set (the "
+        "model's template and the request's own fields decide these)"
+    )
+
+
+async def test_input_a_template_cannot_take_is_a_400_not_a_500(
+    clean_redis_url: str, llama: Path
+) -> None:
+    deep = "[" * 50_000 + "]" * 50_000  # past the JSON parser's depth, and the template's
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": deep}}
+    nested: dict[str, Any] = {}
+    for _ in range(700):
+        nested = {"a": nested}
+    tool = {"type": "function", "function": {"name": "f", "parameters": nested}}
+    async with worker_client(_settings(clean_redis_url, llama)) as (client, _):
+        for body in (
+            {"messages": [*CHAT, {"role": "assistant", "tool_calls": [call]}]},
+            {"messages": CHAT, "tools": [tool]},
+        ):
+            answer = await client.post("/v1/chat/completions", json=body)
+            assert answer.status_code == 400, answer.text[:300]
+            assert answer.json()["error"]["param"] == "messages"

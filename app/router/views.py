@@ -1,0 +1,111 @@
+"""What a ``RouterCore`` keeps per worker (``WorkerView``: its registry fields, its last load
+report, the router's own in-flight accounting and the other routers' share of it) and per
+request in flight (``InFlight``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+__all__ = ["InFlight", "RoutingState", "WorkerView"]
+
+RoutingState = Literal["up", "stale", "draining", "cordoned"]
+
+
+@dataclass(slots=True)
+class WorkerView:
+    worker: str
+    url: str | None = None
+    model: str | None = None  # the model it serves (None: any; an engine ingested unnamed)
+    foreign: bool = False  # an engine behind kvmesh ingest: it takes the client's body as sent
+    approximate: bool = False  # no KV events: matched against what this router sent it
+    capacity_blocks: int = 0
+    draining: bool = False  # the worker said so in its registry entry
+    cordon: str | None = None  # "cordoned" or "draining": an operator's (app.cluster.fleet)
+    stale_reason: str | None = None  # why its index data or load is not current; None: fresh
+    load: dict[str, int] = field(default_factory=dict)  # as the worker last reported it
+    # The router's own accounting of what it sent there.
+    inflight_prefill_tokens: int = 0
+    inflight_running: int = 0
+    inflight_blocks: int = 0
+    num_decisions: int = 0
+    # What the other routers sent there, as they shared it (app.router.share).
+    remote_prefill_tokens: int = 0
+    remote_running: int = 0
+    remote_blocks: int = 0
+    _terms: tuple[int, int, int, int] | None = None
+
+    def load_terms(self) -> tuple[int, int, int, int]:
+        """(queued prefill tokens, running, active blocks, free blocks): the worker's report
+        combined with the router's own accounting, which is newer. Cached until either
+        changes (``changed``), since every request reads it for every worker."""
+        terms = self._terms
+        if terms is None:
+            terms = self._terms = self._load_terms()
+        return terms
+
+    def changed(self) -> None:
+        self._terms = None
+
+    def _load_terms(self) -> tuple[int, int, int, int]:
+        prefill = self.inflight_prefill_tokens + self.remote_prefill_tokens
+        running = self.inflight_running + self.remote_running
+        blocks = self.inflight_blocks + self.remote_blocks
+        load = self.load
+        if not load:
+            return prefill, running, blocks, self.capacity_blocks
+        reported_running = load.get("running_requests", load.get("active_sequences", 0))
+        free = load.get("free_blocks_0", self.capacity_blocks)
+        return (
+            prefill,
+            max(running, reported_running + load.get("waiting_requests", 0)),
+            max(blocks, load.get("used_blocks_0", 0)),
+            max(free - blocks, 0),
+        )
+
+    @property
+    def admitting(self) -> bool:
+        """Whether new requests may go there."""
+        return not self.draining and self.cordon is None
+
+    @property
+    def state(self) -> RoutingState:
+        if self.draining or self.cordon == "draining":
+            return "draining"
+        if self.cordon is not None:
+            return "cordoned"
+        return "stale" if self.stale_reason is not None else "up"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "worker": self.worker,
+            "url": self.url,
+            "model": self.model,
+            "approximate": self.approximate,
+            "state": self.state,
+            "stale_reason": self.stale_reason,
+            "capacity_blocks": self.capacity_blocks,
+            "load": dict(self.load),
+            "inflight": {
+                "prefill_tokens": self.inflight_prefill_tokens,
+                "running": self.inflight_running,
+                "blocks": self.inflight_blocks,
+            },
+            "other_routers": {
+                "prefill_tokens": self.remote_prefill_tokens,
+                "running": self.remote_running,
+                "blocks": self.remote_blocks,
+            },
+            "decisions": self.num_decisions,
+        }
+
+
+@dataclass(slots=True)
+class InFlight:
+    request_id: str
+    worker: str
+    prefill_tokens: int  # uncached prompt tokens, until prefilled
+    blocks: int
+    prefilled: bool = False
+    router: str = ""  # another router's id, for a flight it shared; "" for this router's own
+    started_at: float = 0.0  # the core's clock when it began (for the remote ones' age)
