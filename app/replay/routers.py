@@ -146,7 +146,8 @@ class CoreRouter:
                 apply = core.index.apply_event
                 for event in decode_events(blob):
                     apply(worker, event)
-            core.set_load(worker, load)
+            if not self.config.no_events:  # a worker without events publishes no load either
+                core.set_load(worker, load)
 
 
 class SingleWorker:
