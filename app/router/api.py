@@ -220,7 +220,6 @@ async def _proxy(
     it tokenizes the prompt itself."""
     core = runtime.core
     metrics = runtime.metrics
-    contents = {False: orjson.dumps(ours), True: orjson.dumps(sent)}
     tried: list[str] = []
     failures: list[str] = []
     for _attempt in range(2):
@@ -237,7 +236,7 @@ async def _proxy(
                 runtime.http.build_request(
                     "POST",
                     url,
-                    content=contents[view.foreign],
+                    content=orjson.dumps(sent if view.foreign else ours),
                     headers={"content-type": "application/json"},
                 ),
                 stream=True,

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
@@ -20,6 +18,7 @@ from app.cli import build_parser, main
 from app.ingest.trtllm import TrtllmIngest
 from events import keys
 from tests.events.support import make_consumer
+from tests.support.json_server import JsonServer
 from tests.support.wait import eventually
 
 WINDOW = 16
@@ -92,38 +91,19 @@ STEP_5 = [
 AFTER_STEP_5 = {B0: 1, B1: 1} | dict.fromkeys(R2, 0) | dict.fromkeys(R3, 0)
 
 
-class TrtllmServer:
+class TrtllmServer(JsonServer):
     """A real HTTP server on a free loopback port that answers ``POST /kv_cache_events`` with
     the next queued JSON answer (an empty list once the queue is empty), as trtllm-serve does."""
 
     def __init__(self) -> None:
         self.answers: list[tuple[int, Any]] = []
-        self.requests: list[tuple[str, str]] = []
-        self.lock = threading.Lock()
-        server = self
+        super().__init__(self._answer)
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                with server.lock:
-                    server.requests.append(("POST", self.path))
-                    status, body = server.answers.pop(0) if server.answers else (200, [])
-                if self.path != "/kv_cache_events":
-                    status, body = 404, {"detail": "Not Found"}
-                payload = json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(payload)))
-                self.end_headers()
-                self.wfile.write(payload)
-
-            def log_message(self, format: str, *args: Any) -> None:
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        self.thread = threading.Thread(
-            target=self.httpd.serve_forever, kwargs={"poll_interval": 0.01}, daemon=True
-        )
+    def _answer(self, path: str, body: Any) -> tuple[int, Any]:
+        status, reply = self.answers.pop(0) if self.answers else (200, [])
+        if path != "/kv_cache_events":
+            return 404, {"detail": "Not Found"}
+        return status, reply
 
     def queue(self, *answers: Any, status: int = 200) -> None:
         with self.lock:
@@ -136,14 +116,8 @@ class TrtllmServer:
 
 @pytest.fixture
 def trtllm() -> Iterator[TrtllmServer]:
-    server = TrtllmServer()
-    server.thread.start()
-    try:
+    with TrtllmServer().running() as server:
         yield server
-    finally:
-        server.httpd.shutdown()
-        server.httpd.server_close()
-        server.thread.join(5)
 
 
 FAST: dict[str, Any] = {"heartbeat_interval_s": 0.05, "heartbeat_ttl_s": 0.5, "backoff_max_s": 0.1}
@@ -178,7 +152,7 @@ async def test_the_worked_stream_reaches_the_index_exactly(
             stats = consumer.stats()
     finally:
         await client.aclose()
-    assert trtllm.requests == [("POST", "/kv_cache_events")] * 5
+    assert [path for path, _ in trtllm.requests] == ["/kv_cache_events"] * 5
     assert ingest.stats() == {
         "polls": 5,
         "events": 9,

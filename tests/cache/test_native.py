@@ -152,8 +152,12 @@ def _other_build_env() -> tuple[dict[str, str], str]:
     env = {k: v for k, v in os.environ.items() if k != _native.PURE_ENV}
     if cache.CACHE_IMPL == "mypyc":
         return {**env, _native.PURE_ENV: "1"}, "python"
-    if not _native.built():
-        pytest.skip("no compiled build made from these sources (python tools/build_native.py)")
+    # Without a build matching the sources there is no second build to compare: that is a
+    # failure to say, not a pass (make test builds it first; a stale build does not count).
+    assert _native.built(), (
+        "no compiled build made from these sources: run make native "
+        "(python tools/build_native.py), then the tests"
+    )
     return env, "mypyc"
 
 

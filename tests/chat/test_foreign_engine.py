@@ -5,10 +5,7 @@ prompt itself, and the router's own ids only placed it. Its registry entry names
 
 from __future__ import annotations
 
-import json
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +14,7 @@ import pytest
 from app.ingest.trtllm import TrtllmIngest
 from tests.app.router_support import router_client, router_settings
 from tests.support.chat_models import tokenizer_dir
+from tests.support.json_server import JsonServer
 from tests.support.wait import eventually
 
 CREATED = {"event_id": 0, "data": {"type": "created", "num_blocks_per_cache_level": [8, 0]}}
@@ -32,45 +30,29 @@ ANSWER = {
 }
 
 
-class Engine:
+class Engine(JsonServer):
     """Answers ``POST /kv_cache_events`` with one ``created`` event, then none, and any other
-    ``POST`` with ``ANSWER``, recording (path, body)."""
+    ``POST`` with ``ANSWER``."""
 
     def __init__(self) -> None:
-        self.bodies: list[tuple[str, Any]] = []
         self.events = [[CREATED]]
-        engine = self
+        super().__init__(self._answer)
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                length = int(self.headers.get("content-length", 0))
-                body = json.loads(self.rfile.read(length) or b"null")
-                if self.path == "/kv_cache_events":
-                    answer: Any = engine.events.pop(0) if engine.events else []
-                else:
-                    engine.bodies.append((self.path, body))
-                    answer = ANSWER
-                payload = json.dumps(answer).encode()
-                self.send_response(200)
-                self.send_header("content-type", "application/json")
-                self.send_header("content-length", str(len(payload)))
-                self.end_headers()
-                self.wfile.write(payload)
+    def _answer(self, path: str, body: Any) -> tuple[int, Any]:
+        if path == "/kv_cache_events":
+            return 200, self.events.pop(0) if self.events else []
+        return 200, ANSWER
 
-            def log_message(self, format: str, *args: Any) -> None:
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+    @property
+    def bodies(self) -> list[tuple[str, Any]]:
+        """What the engine got, but the event polls."""
+        return [(path, body) for path, body in self.requests if path != "/kv_cache_events"]
 
 
 @pytest.fixture
 def engine() -> Iterator[Engine]:
-    server = Engine()
-    yield server
-    server.httpd.shutdown()
-    server.httpd.server_close()
+    with Engine().running() as server:
+        yield server
 
 
 async def test_an_ingested_engine_gets_the_clients_body(
