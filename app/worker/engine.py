@@ -52,6 +52,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
+from app.core.step_speed import MIN_STEPS, StepSpeed, speed_fields
 from app.worker.backend import Backend, Decode, PrefillChunk, StepBatch, StepOutput
 from app.worker.event_ring import EventRing
 from app.worker.jobs import (
@@ -87,6 +88,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+_SPEED_REFIT = MIN_STEPS
 
 
 def _ignore(*args: object) -> None:
@@ -159,6 +162,10 @@ class Engine:
         self.stats = EngineStats()
         self.recent_events = EventRing(config.events_ring_blocks)  # for GET /events
         self.load: dict[str, int] = {}
+        # The steps' observed speed, published with the load for the router's TTFT estimate;
+        # refitted every _SPEED_REFIT steps (the fit is not free, and speeds change slowly).
+        self.speed = StepSpeed()
+        self._speed_fields: dict[str, int] = {}
         self._dropped_seen = 0  # manager events dropped, as last reported to the publisher
         self._refresh_load()
 
@@ -265,6 +272,14 @@ class Engine:
         if not batch:
             return False
         self.stats.steps += 1
+        if output is not None:
+            # The modelled time when there is one (sim), else the step's own wall time.
+            took = model_time or (time.perf_counter() - started)
+            self.speed.observe(took, batch.num_prefill_tokens, len(batch.decodes))
+            if self.speed.steps % _SPEED_REFIT == 0:
+                self._speed_fields = speed_fields(
+                    self.speed.estimate(), self.config.max_tokens_per_step
+                )
         try:
             self.on_step(time.perf_counter() - started, batch)
         except Exception:
@@ -604,4 +619,5 @@ class Engine:
         # Totals since start, so that a reader can compute a hit rate over any interval.
         load["reused_tokens"] = self.stats.reused_tokens
         load["computed_tokens"] = self.stats.computed_tokens
+        load.update(self._speed_fields)
         self.load = load

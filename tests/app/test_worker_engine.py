@@ -235,3 +235,29 @@ async def test_torch_engine_output_equals_dense_with_reuse_and_onboarding(
     assert levels == {1}  # everything the tree holds went to the host
     assert onboarded["choices"][0]["token_ids"] == expected["a"]
     assert onboarded["usage"]["prompt_tokens_details"]["cached_tokens"] == 69
+
+
+async def test_the_worker_publishes_the_speed_its_steps_had(clean_redis_url: str) -> None:
+    """The load report carries the fitted speed of the steps the engine ran (here the sim's
+    modelled times on a virtual clock, so that the fit has an exact answer to find)."""
+    settings = worker_settings(
+        clean_redis_url,
+        virtual_clock=True,
+        sim_step_overhead_ms=10.0,
+        sim_prefill_us_per_token=100.0,
+        sim_decode_us_per_sequence=150.0,
+        max_tokens_per_step=256,
+    )
+    async with worker_client(settings) as (client, runtime):
+        prompts = [[(i * 7 + j) % 500 + 1 for j in range(100 + 90 * i)] for i in range(8)]
+        await asyncio.gather(
+            *(complete(client, prompt=p, max_tokens=90 - 10 * i) for i, p in enumerate(prompts))
+        )
+        engine = runtime.engine
+        assert engine.speed.steps == engine.stats.steps > 64
+        load = engine.load
+    assert load["max_tokens_per_step"] == 256
+    # Refitted every 32 steps, within 0.2 % of the modelled speed (the ridge's pull).
+    assert load["step_overhead_us"] == pytest.approx(10_000, rel=2e-3)
+    assert load["prefill_ns_per_token"] == pytest.approx(100_000, rel=2e-3)
+    assert load["decode_ns_per_sequence"] == pytest.approx(150_000, rel=2e-3)
