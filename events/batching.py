@@ -51,7 +51,7 @@ def event_weight(events: Sequence[KVCacheEvent]) -> int:
     for event in events:
         data = event.data
         if type(data) is StoredData:
-            total += len(data.blocks) or 1
+            total += len(data.rows()) or 1  # not ``blocks``, which would make block objects
         elif type(data) is RemovedData:
             total += len(data.block_hashes) or 1
         else:

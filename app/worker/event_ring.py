@@ -16,9 +16,11 @@ __all__ = ["EventRing"]
 
 def _num_blocks(event: KVCacheEvent) -> int:
     data = event.data
-    if isinstance(data, StoredData):
-        return len(data.blocks) or 1
-    if isinstance(data, RemovedData):
+    # ``rows()``, not ``blocks``: reading ``blocks`` would make a StoredBlock per block that
+    # nothing on the worker's path needs (the codec packs the rows).
+    if type(data) is StoredData:
+        return len(data.rows()) or 1
+    if type(data) is RemovedData:
         return len(data.block_hashes) or 1
     return 1
 
