@@ -1,7 +1,9 @@
 """The worker's HTTP API: OpenAI-compatible completions, the admin API, health and metrics.
 
 Handlers are thin: they validate, then hand work to the engine (``submit``, ``cancel``, or
-``call`` for anything that reads or changes the manager). Errors are mapped to HTTP once, in
+``call`` for anything that reads or changes the manager). A plain ``POST /v1/completions`` is
+answered below FastAPI by ``app.worker.fast_path``, with the same checks and answers; the route
+here answers the rest and is what ``/docs`` shows. Errors are mapped to HTTP once, in
 the exception handlers below, as OpenAI's error shape ``{"error": {"message", "type",
 "param", "code"}}``::
 
@@ -46,7 +48,8 @@ from app.core.middleware import BodyLimit
 from app.worker import schemas
 from app.worker.chat import chat_body, chat_job, chat_stream, stop_watch
 from app.worker.completions import completion_body, make_job, timings_of
-from app.worker.engine import DrainingError, DuplicateJobError, EngineError, Job, QueueFullError
+from app.worker.engine import EngineError, Job
+from app.worker.fast_path import CompletionFastPath, await_job, failed_job, refusal
 from app.worker.metrics import CONTENT_TYPE
 from app.worker.runtime import WorkerRuntime
 from app.worker.settings import WorkerSettings
@@ -108,13 +111,6 @@ async def _stream(runtime: WorkerRuntime, job: Job, created: int) -> AsyncIterat
     finally:
         if not job.finished:
             runtime.engine.cancel(job.job_id)
-
-
-async def _wait_for_disconnect(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
 
 
 # -- routes ------------------------------------------------------------------------------------
@@ -187,18 +183,12 @@ def _streaming(chunks: AsyncIterator[bytes]) -> StreamingResponse:
 async def _finish(runtime: WorkerRuntime, job: Job, request: Request) -> Response | None:
     """Wait for the job to finish (cancelling it if the client goes away); the error answer
     of a job the engine failed, else None."""
-    disconnect = asyncio.ensure_future(_wait_for_disconnect(request))
-    try:
-        await asyncio.wait((job.done, disconnect), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        disconnect.cancel()
-        if not job.finished:  # the client went away (or this handler was cancelled)
-            runtime.engine.cancel(job.job_id)
-    if job.finish_reason == "error":
-        return _error(
-            503, job.error or "the engine failed", "engine_error", None, **{"Retry-After": "1"}
-        )
-    return None
+    await await_job(runtime.engine, job, request.receive)
+    failed = failed_job(job)
+    if failed is None:
+        return None
+    status, message, kind, param, headers = failed
+    return _error(status, message, kind, param, **headers)
 
 
 def _block_info(block: KVCacheBlock, with_tokens: bool) -> dict[str, Any]:
@@ -486,17 +476,17 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(EngineError)
     async def engine_refused(request: Request, exc: EngineError) -> Response:
-        if isinstance(exc, QueueFullError):
-            return _error(429, str(exc), "rate_limit_error", None, **{"Retry-After": "1"})
-        if isinstance(exc, DrainingError):
-            return _error(503, str(exc), "unavailable_error", None, **{"Retry-After": "5"})
-        if isinstance(exc, DuplicateJobError):
-            return _error(409, str(exc), "conflict_error", "request_id")
-        return _error(503, str(exc), "unavailable_error", None, **{"Retry-After": "1"})
+        status, message, kind, param, headers = refusal(exc)
+        return _error(status, message, kind, param, **headers)
 
 
-def install(app: FastAPI, settings: WorkerSettings) -> None:
+def install(app: FastAPI, settings: WorkerSettings, *, fast_path: bool = True) -> None:
+    """The routes, their error handlers, the completions fast path (``fast_path=False``: the
+    FastAPI route answers every completion, as the test that both answer alike needs) and the
+    body limit."""
     _install_error_handlers(app)
     app.include_router(_inference_router())
     app.include_router(_admin_router(settings))
+    if fast_path:
+        app.add_middleware(CompletionFastPath)  # inside BodyLimit, which is added after it
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)

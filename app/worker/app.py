@@ -30,13 +30,14 @@ __all__ = ["create_app", "serve"]
 logger = logging.getLogger(__name__)
 
 
-def create_app(settings: WorkerSettings) -> FastAPI:
+def create_app(settings: WorkerSettings, *, fast_path: bool = True) -> FastAPI:
+    """The worker's app; ``fast_path=False`` leaves every completion to the FastAPI route."""
     app = FastAPI(
         title=f"kvmesh worker {settings.worker_id}",
         summary="One GPU's KV cache: OpenAI-compatible completions and the admin API",
         lifespan=runtime_lifespan(lambda: WorkerRuntime.start(settings)),
     )
-    install(app, settings)
+    install(app, settings, fast_path=fast_path)
     return app
 
 

@@ -6,7 +6,10 @@ be served as it is raises ``app.core.errors.BadRequest`` naming the field.
 from __future__ import annotations
 
 import uuid
+from array import array
 from typing import Any
+
+import numpy as np
 
 from app.chat import ModelTokenizer
 from app.core.errors import BadRequest
@@ -16,7 +19,7 @@ from app.worker.engine import Job
 from app.worker.settings import ModelShape
 from cache import InvalidRetentionConfigError, RetentionConfig, TokenRangeRetention, cache_salt_id
 
-__all__ = ["completion_body", "make_job", "timings_of", "tokens_job", "usage"]
+__all__ = ["completion_body", "make_job", "timings_of", "token_words", "tokens_job", "usage"]
 
 
 def _retention(spec: schemas.Retention) -> RetentionConfig:
@@ -107,6 +110,15 @@ def make_job(
     )
 
 
+def token_words(tokens: list[Any]) -> array[int] | None:
+    """The ids as unsigned 32-bit words, in one C-level pass (a quarter of ``min`` + ``max``
+    over 4,096 ids); None when one is not an int in 0..2**32-1 (a bool counts as its int)."""
+    try:
+        return array("I", tokens)
+    except (OverflowError, TypeError):
+        return None
+
+
 def tokens_job(
     tokens: list[int],
     param: str,
@@ -120,12 +132,19 @@ def tokens_job(
     cache_salt: str | None,
     retention: schemas.Retention | None = None,
     prefix: str = "cmpl",
+    words: array[int] | None = None,
 ) -> Job:
     """A Job for a prompt of token ids (``param`` names the field they came from), checked
-    against the vocabulary, the model's window and the cache size."""
+    against the vocabulary, the model's window and the cache size. ``words``: the ids'
+    ``token_words``, where the caller has them already."""
     if not tokens:
         raise BadRequest(f"{param}: must hold at least one token id", param=param)
-    low, high = min(tokens), max(tokens)
+    if words is None:
+        words = token_words(tokens)
+    if words is not None:  # all in 0..2**32-1: only the top of the vocabulary to check
+        low, high = 0, int(np.frombuffer(words, dtype=np.uint32).max())
+    else:
+        low, high = min(tokens), max(tokens)
     if low < 0 or high >= shape.vocab_size:
         bad = low if low < 0 else high
         raise BadRequest(

@@ -1,0 +1,75 @@
+"""Plain-ASGI pieces for a service's fast path: a hot route answered below the framework, with
+anything it does not take handed to the FastAPI route unchanged.
+
+``json_content`` says whether FastAPI would parse a body as JSON; ``read_body`` reads one whole;
+``replay`` gives that body to the app that answers instead, then the client's own ``receive``
+(so that the app still sees a later disconnect); ``send_json`` answers with a JSON body as
+Starlette's ``JSONResponse`` does (``content-length`` and ``content-type`` headers).
+"""
+
+from __future__ import annotations
+
+from starlette.types import Message, Receive, Scope, Send
+
+__all__ = ["json_content", "read_body", "replay", "send_json"]
+
+
+def json_content(scope: Scope) -> bool:
+    """Whether FastAPI would parse this body as JSON (its strict content type: a JSON media
+    type, not a missing one); when not, the route refuses the body, and so must a fast path."""
+    for name, value in scope["headers"]:
+        if name == b"content-type":
+            kind = value.split(b";", 1)[0].strip().lower()
+            return kind == b"application/json" or (
+                kind.startswith(b"application/") and kind.endswith(b"+json")
+            )
+    return False
+
+
+async def read_body(receive: Receive) -> bytes | None:
+    """The whole request body; None when the client went away before sending it."""
+    message = await receive()
+    if message["type"] != "http.request":
+        return None
+    body: bytes = message.get("body", b"")
+    if not message.get("more_body", False):
+        return body
+    chunks = [body]
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return None
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def replay(body: bytes, receive: Receive) -> Receive:
+    """A ``receive`` that gives ``body`` (already read) first, then what ``receive`` gives."""
+    sent = False
+
+    async def replayed() -> Message:
+        nonlocal sent
+        if sent:
+            return await receive()
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return replayed
+
+
+async def send_json(
+    send: Send, status: int, body: bytes, headers: dict[str, str] | None = None
+) -> None:
+    """An answer with a JSON body (already encoded) and its headers."""
+    raw = [
+        (b"content-length", b"%d" % len(body)),
+        (b"content-type", b"application/json"),
+    ]
+    if headers:
+        raw += [
+            (name.lower().encode("latin-1"), value.encode("latin-1"))
+            for name, value in headers.items()
+        ]
+    await send({"type": "http.response.start", "status": status, "headers": raw})
+    await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,196 @@
+"""The fast path of ``POST /v1/completions``: a plain body answered without FastAPI's request
+machinery, and what it shares with the FastAPI route (waiting on a job, the engine's refusals).
+
+At 1,000 requests a second FastAPI's layers (middleware, dependency solving, model validation,
+the response's trip back through them) were a quarter of the worker's CPU, more than the block
+manager's own work in some steps. A plain body is a JSON object whose ``prompt`` is a non-empty
+list of ints in 0..2**32-1, with at most the schema's other fields, each of its exact JSON type
+and in range (``max_tokens``, ``priority``, ``request_id``, ``lora_task_id``, ``cache_salt``,
+``model``; ``stream`` false; ``retention`` null), and any other keys (ignored, as the schema
+allows). Everything else goes to the FastAPI route, which answers it exactly as before: text
+prompts, streams, retention, values the schema would coerce (``"4"``, ``2.0``), anything it
+refuses, malformed JSON, a body not sent as JSON, a query string, and every request the
+checks of ``tokens_job`` refuse (400). The engine's refusals (429, 503, 409) are answered here,
+by the same mapping as the route's (``refusal``). The OpenAPI schema is the FastAPI route's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import orjson
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from app.core.asgi import json_content, read_body, replay, send_json
+from app.core.errors import BadRequest
+from app.core.middleware import error_body
+from app.worker.completions import completion_body, token_words, tokens_job
+from app.worker.engine import (
+    DrainingError,
+    DuplicateJobError,
+    Engine,
+    EngineError,
+    Job,
+    QueueFullError,
+)
+from app.worker.runtime import WorkerRuntime
+from app.worker.schemas import MAX_U64
+
+__all__ = ["CompletionFastPath", "Refusal", "await_job", "failed_job", "refusal"]
+
+PATH = "/v1/completions"
+_PRIORITY_MAX = 1_000_000
+_DEFAULT_MAX_TOKENS = 16
+
+# (status, message, OpenAI type, param, headers)
+Refusal = tuple[int, str, str, str | None, dict[str, str]]
+
+
+def refusal(exc: EngineError) -> Refusal:
+    """The answer to an engine's refusal, for the route's exception handler and the fast path."""
+    if isinstance(exc, QueueFullError):
+        return 429, str(exc), "rate_limit_error", None, {"Retry-After": "1"}
+    if isinstance(exc, DrainingError):
+        return 503, str(exc), "unavailable_error", None, {"Retry-After": "5"}
+    if isinstance(exc, DuplicateJobError):
+        return 409, str(exc), "conflict_error", "request_id", {}
+    return 503, str(exc), "unavailable_error", None, {"Retry-After": "1"}
+
+
+def failed_job(job: Job) -> Refusal | None:
+    """The answer to a job the engine failed (503), else None."""
+    if job.finish_reason == "error":
+        return 503, job.error or "the engine failed", "engine_error", None, {"Retry-After": "1"}
+    return None
+
+
+async def _cancel_on_disconnect(engine: Engine, job: Job, receive: Receive) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            engine.cancel(job.job_id)
+            return
+
+
+async def await_job(engine: Engine, job: Job, receive: Receive) -> None:
+    """Wait for a submitted job to finish; a client that goes away (``receive`` says
+    ``http.disconnect``) cancels it, and so does this coroutine's own cancellation."""
+    watch = asyncio.get_running_loop().create_task(_cancel_on_disconnect(engine, job, receive))
+    try:
+        await job.done
+    finally:
+        watch.cancel()
+        if not job.finished:  # this handler was cancelled
+            engine.cancel(job.job_id)
+
+
+def _optional_str(value: Any, longest: int) -> bool:
+    return value is None or (type(value) is str and 0 < len(value) <= longest)
+
+
+def _maybe_bools(body: bytes) -> bool:
+    """Whether the body may hold a JSON ``true`` or ``false``. The one-byte tests are memchr
+    (no key of the schema has an ``f``, only ``request_id`` a ``u``); a substring search over
+    a 20 kB body costs as much as checking every id."""
+    return (b"f" in body and b"false" in body) or (b"u" in body and b"true" in body)
+
+
+def plain_job(runtime: WorkerRuntime, body: bytes) -> Job | None:
+    """The Job of a plain body (see the module docstring), or None: the route answers it."""
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    if type(data) is not dict:
+        return None
+    prompt = data.get("prompt")
+    max_tokens = data.get("max_tokens", _DEFAULT_MAX_TOKENS)
+    priority = data.get("priority", 0)
+    request_id = data.get("request_id")
+    lora = data.get("lora_task_id")
+    salt = data.get("cache_salt")
+    if (
+        type(prompt) is not list
+        or not prompt
+        or type(max_tokens) is not int
+        or max_tokens < 1
+        or type(priority) is not int
+        or not -_PRIORITY_MAX <= priority <= _PRIORITY_MAX
+        or not _optional_str(request_id, 128)
+        or (lora is not None and (type(lora) is not int or not 0 <= lora <= MAX_U64))
+        or not _optional_str(salt, 256)
+        or not (type(model := data.get("model")) is str or model is None)
+        or data.get("stream", False) is not False
+        or data.get("retention") is not None
+    ):
+        return None
+    words = token_words(prompt)  # None: not all ints in 0..2**32-1
+    if words is None:
+        return None
+    if _maybe_bools(body):  # the schema reads a bool among the ids as its int
+        prompt = words.tolist()
+    settings = runtime.settings
+    try:
+        return tokens_job(
+            prompt,
+            "prompt",
+            max_tokens,
+            settings.shape,
+            runtime.capacity_blocks,
+            request_id=request_id,
+            priority=priority,
+            lora_task_id=lora,
+            cache_salt=salt,
+            words=words,
+        )
+    except BadRequest:
+        return None
+
+
+class CompletionFastPath:
+    """ASGI middleware answering plain ``POST /v1/completions`` bodies; see the module
+    docstring. Installed inside ``BodyLimit``, which refuses an oversized body first."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (
+            scope["type"] != "http"
+            or scope["path"] != PATH
+            or scope["method"] != "POST"
+            or scope["query_string"]
+            or not json_content(scope)
+        ):
+            await self.app(scope, receive, send)
+            return
+        body = await read_body(receive)
+        if body is None:  # the client went away
+            return
+        runtime: WorkerRuntime | None = getattr(scope["app"].state, "runtime", None)
+        job = plain_job(runtime, body) if runtime is not None else None
+        if runtime is None or job is None:
+            await self.app(scope, replay(body, receive), send)
+            return
+        engine = runtime.engine
+        try:
+            engine.submit(job)
+        except EngineError as exc:
+            await _refuse(send, refusal(exc))
+            return
+        created = int(time.time())
+        await await_job(engine, job, receive)
+        failed = failed_job(job)
+        if failed is not None:
+            await _refuse(send, failed)
+            return
+        settings = runtime.settings
+        answer = completion_body(job, settings.worker_id, settings.model_name, created)
+        await send_json(send, 200, orjson.dumps(answer))
+
+
+async def _refuse(send: Send, answer: Refusal) -> None:
+    status, message, kind, param, headers = answer
+    await send_json(send, status, orjson.dumps(error_body(message, kind, param)), headers)

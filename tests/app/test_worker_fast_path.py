@@ -1,0 +1,199 @@
+"""The fast path of ``POST /v1/completions`` answers exactly as the FastAPI route: the same
+status, body and headers for good and bad input, whichever of the two takes the request."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+import pytest
+
+import app.worker.fast_path as fast_path
+from app.worker.app import create_app
+from app.worker.engine import Job
+from app.worker.runtime import WorkerRuntime
+from tests.app.worker_support import expected_output, worker_settings
+from tests.support.asgi import asgi_client
+
+JSON = {"content-type": "application/json"}
+LONG = list(range(40))
+
+# (body, content type, query, whether the fast path answers it)
+CASES: list[tuple[Any, str, str, bool]] = [
+    ({"prompt": [1, 2, 3], "max_tokens": 2, "request_id": "a"}, "application/json", "", True),
+    (
+        {
+            "prompt": LONG,
+            "max_tokens": 3,
+            "request_id": "b",
+            "priority": 5,
+            "lora_task_id": 7,
+            "cache_salt": "salt",
+            "model": "tiny",
+            "temperature": 0.5,
+            "stream": False,
+            "retention": None,
+        },
+        "application/json",
+        "",
+        True,
+    ),
+    (
+        {"prompt": [1, True, False, 3], "max_tokens": 1, "request_id": "c"},
+        "application/json",
+        "",
+        True,
+    ),
+    ({"prompt": LONG, "max_tokens": 2}, "application/vnd.api+json; charset=utf-8", "", True),
+    # What the schema coerces or refuses goes to the route.
+    ({"prompt": [1, 2.0], "max_tokens": 1, "request_id": "d"}, "application/json", "", False),
+    ({"prompt": [1, "2"], "max_tokens": 1, "request_id": "e"}, "application/json", "", False),
+    ({"prompt": [1], "max_tokens": "2", "request_id": "f"}, "application/json", "", False),
+    ({"prompt": [1], "max_tokens": True, "request_id": "g"}, "application/json", "", False),
+    ({"prompt": [1], "max_tokens": 1, "request_id": "h"}, "application/json", "x=1", False),
+    (
+        {"prompt": LONG, "retention": {"ranges": [{"start": 0, "priority": 80}]}, "max_tokens": 1},
+        "application/json",
+        "",
+        False,
+    ),
+    ({"prompt": [1, 2.5]}, "application/json", "", False),
+    ({"prompt": []}, "application/json", "", False),
+    ({"prompt": [512]}, "application/json", "", False),
+    ({"prompt": [3, -1]}, "application/json", "", False),
+    ({"prompt": [1, 2**40]}, "application/json", "", False),
+    ({"prompt": [1] * 1_024}, "application/json", "", False),
+    ({"prompt": [1] * 1_000, "max_tokens": 100}, "application/json", "", False),
+    ({"prompt": [1], "max_tokens": 0}, "application/json", "", False),
+    ({"prompt": [1], "priority": 2_000_000}, "application/json", "", False),
+    ({"prompt": [1], "request_id": ""}, "application/json", "", False),
+    ({"prompt": [1], "request_id": "x" * 129}, "application/json", "", False),
+    ({"prompt": [1], "lora_task_id": -1}, "application/json", "", False),
+    ({"prompt": [1], "cache_salt": ""}, "application/json", "", False),
+    ({"prompt": [1], "stream": None}, "application/json", "", False),
+    ({"prompt": [1], "model": 3}, "application/json", "", False),
+    ({"prompt": [[1, 2]]}, "application/json", "", False),
+    ({"prompt": "some text"}, "application/json", "", False),
+    ({"max_tokens": 2}, "application/json", "", False),
+    ([1, 2], "application/json", "", False),
+    (b"{not json", "application/json", "", False),
+    ({"prompt": [1]}, "text/plain", "", False),
+    ({"prompt": [1]}, "", "", False),
+]
+
+
+def _raw(body: Any) -> bytes:
+    return body if isinstance(body, bytes) else orjson.dumps(body)
+
+
+def _normalised(answer: dict[str, Any]) -> dict[str, Any]:
+    """An answer without what differs between two runs: the time, and a generated id."""
+    answer = dict(answer)
+    answer.pop("created", None)
+    if str(answer.get("id", "")).startswith("cmpl-"):
+        answer["id"] = "cmpl-*"
+        answer["kvmesh"] = {**answer["kvmesh"], "request_id": "cmpl-*"}
+    return answer
+
+
+async def _answers(
+    redis_url: str, use_fast_path: bool, monkeypatch: pytest.MonkeyPatch
+) -> list[tuple[int, dict[str, Any], dict[str, str], bool]]:
+    """Each case's status, body, headers, and whether the fast path took it."""
+    taken: list[bool] = []
+    plain_job = fast_path.plain_job
+
+    def recording(runtime: WorkerRuntime, body: bytes) -> Job | None:
+        job = plain_job(runtime, body)
+        taken.append(job is not None)
+        return job
+
+    monkeypatch.setattr(fast_path, "plain_job", recording)
+    settings = worker_settings(redis_url, virtual_clock=True)
+    results = []
+    async with asgi_client(create_app(settings, fast_path=use_fast_path), "http://worker") as (
+        client,
+        _,
+    ):
+        for body, content_type, query, _fast in CASES:
+            taken.clear()
+            headers = {"content-type": content_type} if content_type else {}
+            response = await client.post(
+                "/v1/completions" + ("?" + query if query else ""),
+                content=_raw(body),
+                headers=headers,
+            )
+            kept = {
+                name: response.headers[name]
+                for name in ("content-type", "content-length", "retry-after")
+                if name in response.headers
+            }
+            if "created" in response.json():  # its digits may differ in number
+                kept.pop("content-length")
+            results.append(
+                (response.status_code, _normalised(response.json()), kept, taken == [True])
+            )
+    return results
+
+
+async def test_the_fast_path_and_the_route_answer_alike(
+    clean_redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fast = await _answers(clean_redis_url, True, monkeypatch)
+    route = await _answers(clean_redis_url, False, monkeypatch)
+    for case, with_fast, without in zip(CASES, fast, route, strict=True):
+        assert with_fast[:3] == without[:3], case
+    assert [taken for *_, taken in fast] == [fast for *_, fast in CASES]
+    assert not any(taken for *_, taken in route)
+    statuses = [status for status, *_ in fast]
+    assert statuses == [200] * 10 + [400] * (len(CASES) - 10)
+    first, second, with_bools = (body for _, body, *_ in fast[:3])
+    assert first["choices"][0]["token_ids"] == expected_output([1, 2, 3], 2)
+    assert second["usage"]["prompt_tokens"] == 40
+    assert with_bools["usage"]["prompt_tokens"] == 4
+    vocabulary = fast[12][1]["error"]
+    assert vocabulary == {
+        "message": "prompt: token id 512 at index 0 is outside the vocabulary 0..511",
+        "type": "invalid_request_error",
+        "param": "prompt",
+        "code": None,
+    }
+
+
+@pytest.mark.parametrize(
+    ("overrides", "drain", "status", "message", "retry_after"),
+    [
+        ({"max_queue_len": 0}, False, 429, "the queue is full (0 of 0 waiting)", "1"),
+        ({}, True, 503, "the worker is draining (an operator asked for it)", "5"),
+    ],
+)
+async def test_the_engine_refuses_alike_on_both_paths(
+    clean_redis_url: str,
+    overrides: dict[str, Any],
+    drain: bool,
+    status: int,
+    message: str,
+    retry_after: str,
+) -> None:
+    answers = []
+    for use_fast_path in (True, False):
+        settings = worker_settings(clean_redis_url, **overrides)
+        app = create_app(settings, fast_path=use_fast_path)
+        async with asgi_client(app, "http://worker") as (client, runtime):
+            if drain:
+                runtime.admin_drain()
+            response = await client.post("/v1/completions", json={"prompt": [1], "max_tokens": 1})
+        answers.append((response.status_code, response.json(), response.headers["retry-after"]))
+    assert answers[0] == answers[1]
+    assert answers[0] == (
+        status,
+        {
+            "error": {
+                "message": message,
+                "type": "rate_limit_error" if status == 429 else "unavailable_error",
+                "param": None,
+                "code": None,
+            }
+        },
+        retry_after,
+    )
