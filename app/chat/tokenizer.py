@@ -7,10 +7,15 @@ written by hand:
 * a Hugging Face model or tokenizer directory (``tokenizer.json``, ``tokenizer_config.json``,
   and where the model has them ``chat_template.jinja`` and ``special_tokens_map.json``) is
   loaded by transformers' ``AutoTokenizer``, as vLLM, SGLang and TensorRT-LLM load it;
-* a chat is rendered by that tokenizer's ``apply_chat_template`` (its own Jinja template in
-  transformers' sandboxed environment, with its special tokens as template variables), then
+* a chat is rendered as that tokenizer's ``apply_chat_template`` renders it (its own Jinja
+  template in transformers' sandboxed environment, with its special tokens as template
+  variables; ``app.chat.render`` does it without the call's overhead, the same text), then
   encoded without adding special tokens: what ``apply_chat_template(..., tokenize=True)``
-  returns, and what vLLM's chat endpoint sends to its engine;
+  returns, and what vLLM's chat endpoint sends to its engine. The rendered text is encoded
+  piece by piece, cut before the template's control tokens, each piece's ids kept in an LRU
+  (``app.chat.pieces``: the same ids as encoding the whole text, for the tokenizers where that
+  is proven; the others encode the whole text), so that a conversation's next request encodes
+  only its new turns;
 * a text prompt is encoded *with* the tokenizer's special tokens (``add_special_tokens=True``,
   the default of vLLM's completions endpoint and of transformers), so a Llama-family BOS is
   there as the engine has it.
@@ -30,6 +35,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from app.chat.pieces import DEFAULT_CACHE_TOKENS, PieceCacheInfo, PieceEncoder, boundary_pattern
+from app.chat.render import ChatRenderer
+
 __all__ = ["ChatTemplateError", "ModelTokenizer", "TokenizerLoadError"]
 
 
@@ -48,19 +56,26 @@ def _one_line(exc: BaseException) -> str:
 class ModelTokenizer:
     """One model's tokenizer; see the module docstring. Build with ``ModelTokenizer.load``."""
 
-    def __init__(self, path: str, backend: Any, hf: Any = None) -> None:
+    def __init__(
+        self, path: str, backend: Any, hf: Any = None, *, cache_tokens: int = DEFAULT_CACHE_TOKENS
+    ) -> None:
         self.path = path
         self._backend = backend  # a tokenizers.Tokenizer: what both forms encode with
         self._hf = hf  # the transformers tokenizer of a directory; None for a bare file
+        self._renderer = ChatRenderer(hf) if hf is not None else None
+        boundary = boundary_pattern(backend) if cache_tokens > 0 else None
+        # None: rendered chats are encoded whole (no cache wanted, or not proven separable)
+        self._pieces = PieceEncoder(backend, boundary, cache_tokens) if boundary else None
 
     @classmethod
-    def load(cls, path: str | Path) -> ModelTokenizer:
-        """A tokenizer directory (chat and text) or a ``tokenizer.json`` (text only)."""
+    def load(cls, path: str | Path, *, cache_tokens: int = DEFAULT_CACHE_TOKENS) -> ModelTokenizer:
+        """A tokenizer directory (chat and text) or a ``tokenizer.json`` (text only).
+        ``cache_tokens`` bounds the ids the chat piece cache holds (0: no cache)."""
         where = Path(path)
         if not where.exists():
             raise TokenizerLoadError(f"{path}: no such file or directory")
         if where.is_dir():
-            return cls._load_directory(where)
+            return cls._load_directory(where, cache_tokens)
         from tokenizers import Tokenizer
 
         try:
@@ -69,10 +84,10 @@ class ModelTokenizer:
             raise TokenizerLoadError(
                 f"{path}: not a tokenizer.json the tokenizers library can load ({_one_line(exc)})"
             ) from None
-        return cls(str(where), backend)
+        return cls(str(where), backend, cache_tokens=cache_tokens)
 
     @classmethod
-    def _load_directory(cls, where: Path) -> ModelTokenizer:
+    def _load_directory(cls, where: Path, cache_tokens: int) -> ModelTokenizer:
         if not (where / "tokenizer.json").is_file():
             raise TokenizerLoadError(
                 f"{where}: a tokenizer directory needs a tokenizer.json (the fast tokenizer "
@@ -95,7 +110,7 @@ class ModelTokenizer:
         backend = getattr(hf, "backend_tokenizer", None)
         if backend is None:
             raise TokenizerLoadError(f"{where}: not a fast tokenizer (no tokenizer.json backend)")
-        return cls(str(where), backend, hf)
+        return cls(str(where), backend, hf, cache_tokens=cache_tokens)
 
     # -- what it knows ---------------------------------------------------------------------------
 
@@ -107,6 +122,11 @@ class ModelTokenizer:
     @property
     def has_chat_template(self) -> bool:
         return self._hf is not None and bool(getattr(self._hf, "chat_template", None))
+
+    @property
+    def piece_cache(self) -> PieceCacheInfo | None:
+        """The chat piece cache's counters; None where rendered chats are encoded whole."""
+        return self._pieces.info() if self._pieces is not None else None
 
     # -- prompts ---------------------------------------------------------------------------------
 
@@ -123,22 +143,24 @@ class ModelTokenizer:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         template_kwargs: Mapping[str, Any] | None = None,
+        reference: bool = False,
     ) -> str:
-        """The chat as its template renders it (transformers' ``apply_chat_template``)."""
-        if not self.has_chat_template:
+        """The chat as its template renders it: the text of transformers'
+        ``apply_chat_template``, which ``reference=True`` calls (the slow path, for comparison)."""
+        if self._renderer is None or not self.has_chat_template:
             raise ChatTemplateError(
                 f"the tokenizer at {self.path} has no chat template: send a completions prompt"
             )
         from jinja2 import TemplateError
 
+        render = self._renderer.render_reference if reference else self._renderer.render
         try:
-            text: str = self._hf.apply_chat_template(
-                [dict(m) for m in messages],
-                tools=[dict(t) for t in tools] if tools is not None else None,
-                add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message,
-                tokenize=False,
-                **dict(template_kwargs or {}),
+            return render(
+                messages,
+                tools,
+                add_generation_prompt,
+                continue_final_message,
+                template_kwargs or {},
             )
         except TemplateError as exc:
             raise ChatTemplateError(f"the chat template refused this chat: {exc}") from None
@@ -147,7 +169,6 @@ class ModelTokenizer:
             # template reading a field this chat lacks, arithmetic or nesting it cannot take:
             # all are this request's fault, none may become a 500
             raise ChatTemplateError(f"the chat cannot be rendered: {_one_line(exc)}") from None
-        return text
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], **options: Any) -> list[int]:
         """The chat's token ids: rendered, then encoded without adding special tokens (the
@@ -155,7 +176,14 @@ class ModelTokenizer:
         return self.encode_rendered(self.render_chat(messages, **options))
 
     def encode_rendered(self, text: str) -> list[int]:
-        """A rendered chat's ids: its template wrote the special tokens, none are added."""
+        """A rendered chat's ids: its template wrote the special tokens, none are added. Piece
+        by piece through the cache where proven the same (see the module docstring)."""
+        if self._pieces is not None:
+            return self._pieces.encode(text)
+        return self.encode_whole(text)
+
+    def encode_whole(self, text: str) -> list[int]:
+        """A rendered chat's ids, the whole text in one call (no cache)."""
         ids: list[int] = self._backend.encode(text, add_special_tokens=False).ids
         return ids
 
