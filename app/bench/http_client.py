@@ -1,4 +1,4 @@
-"""The least an HTTP/1.1 client can do, as a load generator for the router benches.
+"""The least an HTTP/1.1 client can do, as a load generator for the router and worker benches.
 
 httpx spent about 1 ms of CPU per request, as much as the router under test, and on two cores
 the client's lag then shows as the router's latency. ``KeepAliveConnection`` writes the
@@ -17,16 +17,17 @@ __all__ = ["KeepAliveConnection"]
 
 
 class KeepAliveConnection:
-    """One keep-alive HTTP/1.1 connection that POSTs JSON to ``/route``."""
+    """One keep-alive HTTP/1.1 connection that POSTs JSON to ``path``."""
 
-    def __init__(self, host: str, port: int) -> None:
+    def __init__(self, host: str, port: int, path: str = "/route") -> None:
         self.host, self.port = host, port
+        self._request_line = b"POST %s HTTP/1.1\r\n" % path.encode()
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
 
     async def post(self, body: bytes) -> dict[str, Any]:
-        """The answer to one ``/route``; ValueError unless it is a 200 naming a worker. After
-        any failure the connection is dropped (the next request opens a new one)."""
+        """The JSON answer to one POST; ValueError unless it is a 200. After any failure the
+        connection is dropped (the next request opens a new one)."""
         try:
             return await self._post(body)
         except BaseException:
@@ -40,7 +41,7 @@ class KeepAliveConnection:
             self._reader, self._writer = await asyncio.open_connection(self.host, self.port)
         assert self._reader is not None
         self._writer.write(
-            b"POST /route HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+            self._request_line + b"Host: %s\r\nContent-Type: application/json\r\n"
             b"Content-Length: %d\r\n\r\n" % (self.host.encode(), len(body)) + body
         )
         head = await self._reader.readuntil(b"\r\n\r\n")

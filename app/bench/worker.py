@@ -10,13 +10,13 @@ a private ``redis-server`` for the run). Tiny model shape with a 32,000-token vo
 GPU blocks of 16 tokens (64 live sequences of 4,112 tokens take 16,448; the rest is cache), no
 KV pools, ``--max-batch-size 64``, ``--max-queue-len 256``, ``--max-tokens-per-step 16384`` (the
 64 decodes plus seven uncached prompt halves of 2,048 tokens per step). 64 asyncio clients
-(uvloop) post the requests, each with its own ``httpx.AsyncClient`` holding one keep-alive
-connection (one shared pool of 64 would cost the client more CPU than the worker spends:
-httpcore walks every connection of a pool to place each request), each taking the next prompt
-when its previous answer is in; bodies are serialised with orjson beforehand, so the client's
-JSON encoding is not charged. Every answer must be a 200 with 16 tokens and finish reason
-``length``; failures are counted (``failed``), never retried. ``--quick``: 100 requests from 16
-clients.
+(uvloop) post the requests, each on its own keep-alive connection
+(``app.bench.http_client.KeepAliveConnection``: httpx cost the client about 0.8 ms of CPU per
+request, as much as the worker under test, and on two cores the client's share is taken from
+the worker), each taking the next prompt when its previous answer is in; bodies are serialised
+with orjson beforehand, so the client's JSON encoding is not charged. Every answer must be a
+200 with 16 tokens and finish reason ``length``; failures are counted (``failed``), never
+retried. ``--quick``: 100 requests from 16 clients.
 
 Before the clock starts (not timed): ``/ready``, then warm-up requests: one per shared prefix,
 one after the other, then one from every client at once (which opens the connections); their
@@ -76,6 +76,7 @@ import orjson
 import uvloop
 
 from app.bench import bench_redis
+from app.bench.http_client import KeepAliveConnection
 from app.bench.manager import PREFIX_TOKENS, SEED, TOKENS_PER_REQUEST, VOCAB_SIZE, make_prompts
 from app.core.net import free_port
 from cache import KVCacheManager, LlmRequest, RequestState
@@ -281,11 +282,8 @@ def _other_cpu(outcome: Outcome) -> float | None:
     return round(max(outcome.machine_cpu_s - ours, 0.0), 3)
 
 
-def _check(response: httpx.Response) -> dict[str, Any]:
-    """The body of a good answer; ValueError with the reason otherwise."""
-    if response.status_code != 200:
-        raise ValueError(f"status {response.status_code}: {response.text[:200]}")
-    body: dict[str, Any] = orjson.loads(response.content)
+def _check(body: dict[str, Any]) -> dict[str, Any]:
+    """A good answer's body (the client checked the 200); ValueError with the reason otherwise."""
     choice = body["choices"][0]
     if len(choice["token_ids"]) != MAX_TOKENS or choice["finish_reason"] != "length":
         raise ValueError(
@@ -294,14 +292,18 @@ def _check(response: httpx.Response) -> dict[str, Any]:
     return body
 
 
-async def _post(client: httpx.AsyncClient, body: bytes) -> httpx.Response:
-    return await client.post(
-        "/v1/completions", content=body, headers={"Content-Type": "application/json"}
-    )
+async def _post(connection: KeepAliveConnection, body: bytes) -> dict[str, Any]:
+    async with asyncio.timeout(REQUEST_TIMEOUT_S):
+        return await connection.post(body)
+
+
+async def _stats(client: httpx.AsyncClient) -> dict[str, Any]:
+    stats: dict[str, Any] = orjson.loads((await client.get("/stats")).content)
+    return stats
 
 
 async def _drive(
-    base_url: str,
+    port: int,
     bodies: list[bytes],
     warmup: list[bytes],
     num_sequential: int,
@@ -309,39 +311,34 @@ async def _drive(
     worker_pid: int,
     redis_pid: int | None,
 ) -> Outcome:
-    # One AsyncClient per concurrent client, each with one keep-alive connection: 64 connections
-    # in all, as from one pool of 64, but httpcore's pool walks all its connections for every
-    # request it assigns, which at 64 cost the client more CPU than the worker spends.
-    limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
-    timeout = httpx.Timeout(REQUEST_TIMEOUT_S)
     outcome = Outcome()
+    connections = [KeepAliveConnection(HOST, port, "/v1/completions") for _ in range(concurrency)]
     async with contextlib.AsyncExitStack() as stack:
-        clients = [
-            await stack.enter_async_context(
-                httpx.AsyncClient(base_url=base_url, limits=limits, timeout=timeout)
-            )
-            for _ in range(concurrency)
-        ]
+        for connection in connections:
+            stack.push_async_callback(connection.aclose)
+        admin = await stack.enter_async_context(
+            httpx.AsyncClient(base_url=f"http://{HOST}:{port}", timeout=REQUEST_TIMEOUT_S)
+        )
         # Warm-up: the prefixes one after the other, then one request from every client at
         # once, which opens the connections.
         for body in warmup[:num_sequential]:
-            _check(await _post(clients[0], body))
+            _check(await _post(connections[0], body))
         burst = warmup[num_sequential:]
         answers = await asyncio.gather(
-            *(_post(clients[i % concurrency], body) for i, body in enumerate(burst))
+            *(_post(connections[i % concurrency], body) for i, body in enumerate(burst))
         )
         for answer in answers:
             _check(answer)
-        outcome.stats_before = orjson.loads((await clients[0].get("/stats")).content)
+        outcome.stats_before = await _stats(admin)
 
         pending = iter(bodies)
 
-        async def one_client(client: httpx.AsyncClient) -> None:
+        async def one_client(connection: KeepAliveConnection) -> None:
             for body in pending:  # a shared iterator: each client takes the next body
                 sent = time.perf_counter()
                 try:
-                    answer = _check(await _post(client, body))
-                except (httpx.HTTPError, ValueError, KeyError, IndexError) as exc:
+                    answer = _check(await _post(connection, body))
+                except (OSError, EOFError, TimeoutError, ValueError, KeyError, IndexError) as exc:
                     outcome.failed += 1
                     if len(outcome.errors) < 5:
                         outcome.errors.append(f"{type(exc).__name__}: {exc}")
@@ -362,13 +359,13 @@ async def _drive(
         machine_cpu = _machine_busy_seconds()
         client_cpu = time.process_time()
         start = time.perf_counter()
-        await asyncio.gather(*(one_client(client) for client in clients))
+        await asyncio.gather(*(one_client(connection) for connection in connections))
         outcome.seconds = time.perf_counter() - start
         outcome.client_cpu_s = time.process_time() - client_cpu
         outcome.worker_cpu_s = _delta(_cpu_seconds(worker_pid), worker_cpu)
         outcome.redis_cpu_s = _delta(_cpu_seconds(redis_pid), redis_cpu)
         outcome.machine_cpu_s = _delta(_machine_busy_seconds(), machine_cpu)
-        outcome.stats_after = orjson.loads((await clients[0].get("/stats")).content)
+        outcome.stats_after = await _stats(admin)
     return outcome
 
 
@@ -442,7 +439,7 @@ def measure_service(
             with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
                 outcome = runner.run(
                     _drive(
-                        base_url,
+                        port,
                         bodies,
                         warmup_bodies,
                         num_sequential,
