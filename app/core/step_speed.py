@@ -60,24 +60,26 @@ class StepSpeed:
         self._s = [0.0] * 9
         self.steps = 0
 
-    def observe(self, duration_s: float, prefill_tokens: int, decodes: int) -> None:
-        """One engine step that took ``duration_s`` (an idle or failed step is not one)."""
+    def observe(self, duration_s: float, prefill_tokens: int, decodes: int, count: int = 1) -> None:
+        """An engine step that took ``duration_s`` (``count`` such steps in a row: replay's
+        coalesced decode runs); an idle or failed step is not one."""
         if not (prefill_tokens or decodes) or not math.isfinite(duration_s) or duration_s < 0:
             return
         p = prefill_tokens * _TOKEN_SCALE
         d = decodes * _DECODE_SCALE
         s = self._s
-        k = self._decay
-        s[0] = s[0] * k + 1.0
-        s[1] = s[1] * k + p
-        s[2] = s[2] * k + d
-        s[3] = s[3] * k + p * p
-        s[4] = s[4] * k + p * d
-        s[5] = s[5] * k + d * d
-        s[6] = s[6] * k + duration_s
-        s[7] = s[7] * k + p * duration_s
-        s[8] = s[8] * k + d * duration_s
-        self.steps += 1
+        k = self._decay if count == 1 else self._decay**count
+        n = float(count)  # the run's steps, weighed as the newest (their decay is negligible)
+        s[0] = s[0] * k + n
+        s[1] = s[1] * k + n * p
+        s[2] = s[2] * k + n * d
+        s[3] = s[3] * k + n * p * p
+        s[4] = s[4] * k + n * p * d
+        s[5] = s[5] * k + n * d * d
+        s[6] = s[6] * k + n * duration_s
+        s[7] = s[7] * k + n * p * duration_s
+        s[8] = s[8] * k + n * d * duration_s
+        self.steps += count
 
     def estimate(self) -> SimTiming:
         """The fitted speed (the prior's where the steps say nothing yet); no term below 0."""

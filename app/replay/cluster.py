@@ -54,6 +54,7 @@ from typing import Final, Protocol
 import numpy as np
 import numpy.typing as npt
 
+from app.core.step_speed import MIN_STEPS, StepSpeed, speed_fields
 from app.replay.config import REPLAY_TIMING, ClusterConfig
 from app.replay.routers import CoreRouter, SingleWorker
 from app.replay.trace import TokenSource, TraceRequest
@@ -118,6 +119,9 @@ class RunResult:
     num_events: int
     worker_ids: list[str]
     wall_s: float = 0.0
+    # The cluster as configured (for pooled, ``config`` is the pooled one): its workers' speed
+    # and step budget are what the TTFT floor assumes. None: ``config``.
+    cluster_config: ClusterConfig | None = None
 
 
 # -- workers ---------------------------------------------------------------------------------
@@ -146,6 +150,7 @@ class _Step:
     num_steps: int  # k: > 1 only for a coalesced decode run
     prefills: list[tuple[_Job, int]] = field(default_factory=list)  # (job, chunk end)
     decodes: list[_Job] = field(default_factory=list)
+    prefill_tokens: int = 0
 
     @property
     def end_s(self) -> float:
@@ -174,10 +179,21 @@ class _Worker:
         self.running: list[_Job] = []
         self.step: _Step | None = None
         self.version = 0  # heap entries of older versions are stale
+        # Its observed speed, fitted to the steps it ran and reported with its load, as a
+        # kvmesh worker does (the router is told nothing of SimTiming).
+        self.speed = StepSpeed()
+        self.speed_fields: dict[str, int] = {}
+
+    def observe(self, step: _Step) -> None:
+        before = self.speed.steps
+        self.speed.observe(step.duration_s, step.prefill_tokens, len(step.decodes), step.num_steps)
+        if before // MIN_STEPS != self.speed.steps // MIN_STEPS:
+            self.speed_fields = speed_fields(self.speed.estimate(), self.config.max_tokens_per_step)
 
     def load(self) -> dict[str, int]:
         load = manager_load(self.mgr, num_waiting=len(self.waiting))
         load["running_requests"] = len(self.running)
+        load.update(self.speed_fields)
         return load
 
 
@@ -332,6 +348,7 @@ class _Cluster:
             worker.step = None
             return
         num_prefill = sum(end - job.position for job, end in step.prefills)
+        step.prefill_tokens = num_prefill
         step.duration_s = worker.timing.step_time(num_prefill, len(step.decodes))
         if num_prefill:
             chunks = tuple((job.record.index, end - job.position) for job, end in step.prefills)
@@ -361,6 +378,7 @@ class _Cluster:
         router = self.router
         k = step.num_steps
         self.num_steps += k
+        worker.observe(step)
         finished: list[_Job] = []
         for job, end in step.prefills:
             request = job.request
@@ -425,6 +443,7 @@ def run_policy(
 ) -> RunResult:
     """Replay ``trace`` through a fresh cluster routed by ``policy`` (or ``pooled``)."""
     length = max_sequence_length(trace, config.tokens_per_block)
+    cluster_config = config
     if policy == POOLED:
         config = config.pooled()
         cluster = _Cluster(config, tokens, length, lambda c: SingleWorker())
@@ -450,4 +469,5 @@ def run_policy(
         cluster.num_steps,
         cluster.num_events,
         [w.worker_id for w in cluster.workers],
+        cluster_config=cluster_config,
     )

@@ -21,6 +21,12 @@ Definitions (times in seconds of trace time, i.e. virtual time x speed):
   window with fewer requests than workers read as imbalanced whatever the policy: one request
   among 8 workers scored 8.0, and round robin, 24 requests on each of 8 workers, scored 2.65
   on the demo trace (6.6 requests a minute);
+* ``ttft_floor_*``: the TTFT each request would have had with the cache hits it got, alone on an
+  idle worker (its uncached prompt at one worker's speed, in steps of the step token budget:
+  no queue, no decodes beside it). ``pooled``'s floor uses the best hits any placement can get,
+  so its ``ttft_floor_p99_s`` bounds every router's ``ttft_p99_s`` from below (to the extent
+  the slowest requests are the big cold prompts, as in the Mooncake traces): a target below it
+  cannot be met by placement;
 * ``failed``: requests that could never fit in a worker.
 """
 
@@ -34,7 +40,7 @@ from typing import Any, Final
 import numpy as np
 import numpy.typing as npt
 
-from app.replay.cluster import RunResult
+from app.replay.cluster import RequestRecord, RunResult
 
 __all__ = [
     "IMBALANCE_WINDOW_S",
@@ -44,6 +50,7 @@ __all__ = [
     "plot",
     "prefill_load",
     "summarise",
+    "ttft_floor",
 ]
 
 IMBALANCE_WINDOW_S: Final = 60.0
@@ -107,6 +114,16 @@ def load_imbalance(
     return float(np.average(ratios, weights=totals[busy]))
 
 
+def ttft_floor(result: RunResult, records: Sequence[RequestRecord]) -> npt.NDArray[np.float64]:
+    """Each record's ``ttft_floor`` (see the module docstring), in seconds of trace time."""
+    config = result.cluster_config or result.config
+    timing = config.timing
+    own = np.array([r.prompt_tokens - r.reused_tokens for r in records], dtype=np.float64)
+    steps = np.maximum(np.ceil(own / config.max_tokens_per_step), 1.0)
+    seconds = own * timing.prefill_s_per_token + steps * timing.step_overhead_s
+    return seconds * result.config.speed
+
+
 def summarise(result: RunResult) -> dict[str, Any]:
     """The figures of one run (see the module docstring), JSON-ready."""
     speed = result.config.speed
@@ -123,11 +140,14 @@ def summarise(result: RunResult) -> dict[str, Any]:
     else:
         span = 0.0
     tokens = sum(r.prompt_tokens + r.output_tokens for r in done)
+    floor = ttft_floor(result, done)
     return {
         "hit_ratio": reused / prompt if prompt else 0.0,
         "ttft_p50_s": _percentile(ttft, 50),
         "ttft_p90_s": _percentile(ttft, 90),
         "ttft_p99_s": _percentile(ttft, 99),
+        "ttft_floor_p50_s": _percentile(floor, 50),
+        "ttft_floor_p99_s": _percentile(floor, 99),
         "e2e_p50_s": _percentile(e2e, 50),
         "e2e_p99_s": _percentile(e2e, 99),
         "load_imbalance": load_imbalance(prefill_load(result), largest_prefill(result)),
@@ -151,6 +171,7 @@ _COLUMNS: Final = (
     ("ttft p50", "{:.3f}", "ttft_p50_s"),
     ("p90", "{:.3f}", "ttft_p90_s"),
     ("p99", "{:.3f}", "ttft_p99_s"),
+    ("floor p99", "{:.3f}", "ttft_floor_p99_s"),
     ("e2e p50", "{:.2f}", "e2e_p50_s"),
     ("p99", "{:.2f}", "e2e_p99_s"),
     ("imbalance", "{:.2f}", "load_imbalance"),

@@ -221,6 +221,7 @@ class RouterCore:
                 while depth < num_blocks and get(block_hashes[depth], 0.0) > now:
                     depth += 1  # predicted blocks count as GPU blocks: they were just made
             queued, running, active, free = view.load_terms()
+            step_s, prefill_s, decode_s, step_tokens = view.speed_terms()
             out.append(
                 Candidate(
                     worker=worker,
@@ -234,6 +235,10 @@ class RouterCore:
                     cached_blocks=self._num_cached(worker) if tree_sizes else 0,
                     fresh=view.stale_reason is None,
                     session=worker == session_worker,
+                    step_s=step_s,
+                    prefill_s=prefill_s,
+                    decode_s=decode_s,
+                    step_tokens=step_tokens,
                 )
             )
         return out

@@ -128,6 +128,11 @@ class CostOut(BaseModel):
     load: float = Field(description="the load term the policy used")
     fresh: bool = Field(description="whether this worker's index data and load were current")
     affinity: float = Field(0.0, description="kv_aware: what session affinity took off the cost")
+    ttft_s: float | None = Field(
+        None,
+        description="kv_aware: the predicted time to the first token there, in seconds, from "
+        "the speed the worker reports (null: it reports none)",
+    )
 
 
 class RouteResponse(BaseModel):

@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from app.core.step_speed import speed_from_load
+
 __all__ = ["InFlight", "RoutingState", "WorkerView"]
 
 RoutingState = Literal["up", "stale", "draining", "cordoned"]
@@ -34,6 +36,7 @@ class WorkerView:
     remote_running: int = 0
     remote_blocks: int = 0
     _terms: tuple[int, int, int, int] | None = None
+    _speed: tuple[float, float, float, int] | None = None  # parsed from load; see speed_terms
 
     def load_terms(self) -> tuple[int, int, int, int]:
         """(queued prefill tokens, running, active blocks, free blocks): the worker's report
@@ -46,6 +49,27 @@ class WorkerView:
 
     def changed(self) -> None:
         self._terms = None
+        self._speed = None
+
+    def speed_terms(self) -> tuple[float, float, float, int]:
+        """(step s, prefill s per token, decode s per sequence, step token budget) as the
+        worker last reported them (app.core.step_speed); all 0 when it reports no speed.
+        Cached with the load terms."""
+        speed = self._speed
+        if speed is None:
+            reported = speed_from_load(self.load)
+            if reported is None:
+                speed = (0.0, 0.0, 0.0, 0)
+            else:
+                timing, budget = reported
+                speed = (
+                    timing.step_overhead_s,
+                    timing.prefill_s_per_token,
+                    timing.decode_s_per_sequence,
+                    budget,
+                )
+            self._speed = speed
+        return speed
 
     def _load_terms(self) -> tuple[int, int, int, int]:
         prefill = self.inflight_prefill_tokens + self.remote_prefill_tokens

@@ -14,13 +14,21 @@ import pytest
 
 from app.cli import main as cli_main
 from app.core.sim_timing import SimTiming
-from app.replay.cluster import POOLED, ClusterConfig, RunResult, StepRecord, run_policy
+from app.replay.cluster import (
+    POOLED,
+    ClusterConfig,
+    RequestRecord,
+    RunResult,
+    StepRecord,
+    run_policy,
+)
 from app.replay.report import (
     format_table,
     largest_prefill,
     load_imbalance,
     prefill_load,
     summarise,
+    ttft_floor,
 )
 from app.replay.trace import (
     TRACE_BLOCK_TOKENS,
@@ -467,6 +475,7 @@ def test_table_formats_every_policy() -> None:
         "ttft_p50_s": 0.1,
         "ttft_p90_s": 0.2,
         "ttft_p99_s": 0.3,
+        "ttft_floor_p99_s": 0.25,
         "e2e_p50_s": 1.0,
         "e2e_p99_s": 2.0,
         "load_imbalance": 1.25,
@@ -478,8 +487,8 @@ def test_table_formats_every_policy() -> None:
     }
     table = format_table({"kv_aware": figures, "round_robin": figures}).splitlines()
     assert table[1].split() == [
-        "kv_aware", "0.500", "0.100", "0.200", "0.300", "1.00", "2.00", "1.25", "3.00",
-        "12,345", "10", "0", "1.5",
+        "kv_aware", "0.500", "0.100", "0.200", "0.300", "0.250", "1.00", "2.00", "1.25",
+        "3.00", "12,345", "10", "0", "1.5",
     ]  # fmt: skip
     assert len({len(line) for line in table}) == 1
 
@@ -533,3 +542,27 @@ def test_replica_flags_reach_the_config(tmp_path: Path, capsys: pytest.CaptureFi
     argv += ["--routers", "0", "--json"]
     assert cli_main(argv) == 2
     assert capsys.readouterr().err == "kvmesh replay: error: routers: must be >= 1, got 0\n"
+
+
+def test_the_ttft_floor_is_each_request_alone_on_an_idle_worker() -> None:
+    """``ttft_floor``: the uncached prompt at one worker's speed, in steps of its budget; for
+    pooled, the cluster's worker speed, not the pooled one."""
+    config = ClusterConfig(
+        num_workers=4,
+        timing=SimTiming(step_overhead_s=0.01, prefill_s_per_token=1e-4),
+        max_tokens_per_step=1_000,
+    )
+    records = [
+        RequestRecord(0, 0.0, 2_500, 1, reused_tokens=0, first_token_s=1.0, finished_s=2.0),
+        RequestRecord(1, 0.0, 2_500, 1, reused_tokens=2_000, first_token_s=1.0, finished_s=2.0),
+        RequestRecord(2, 0.0, 64, 1, reused_tokens=64, first_token_s=1.0, finished_s=2.0),
+    ]
+    # 2,500 tokens in 3 steps; 500 in 1; none computed still takes a step.
+    expected = [0.25 + 0.03, 0.05 + 0.01, 0.01]
+    result = RunResult("kv_aware", config, records, [], 3, 0, ["w0"])
+    assert ttft_floor(result, records).tolist() == pytest.approx(expected)
+    pooled = RunResult(POOLED, config.pooled(), records, [], 3, 0, ["w0"], cluster_config=config)
+    assert ttft_floor(pooled, records).tolist() == pytest.approx(expected)
+    figures = summarise(result)
+    assert figures["ttft_floor_p50_s"] == pytest.approx(0.06)
+    assert figures["ttft_floor_p99_s"] == pytest.approx(np.percentile(expected, 99))

@@ -218,3 +218,24 @@ def test_a_failed_attempt_leaves_no_prediction() -> None:
     core.finish("r1")
     core.unpredict(decision.worker, hashes)
     assert core.num_predicted(decision.worker) == 0
+
+
+def test_the_speed_a_worker_reports_reaches_the_policy() -> None:
+    """A load report's speed fields (app.core.step_speed) become the candidate's speed, and a
+    new report replaces them; a worker reporting none is costed without."""
+    core, _ = make_core(2)
+    speed = {
+        "step_overhead_us": 10_000,
+        "prefill_ns_per_token": 100_000,
+        "decode_ns_per_sequence": 150_000,
+        "max_tokens_per_step": 8_192,
+    }
+    core.set_load("w0", {"free_blocks_0": 10_000, "used_blocks_0": 0, **speed})
+    w0, w1 = core.candidates(core.hashes(list(range(64))))
+    assert (w0.step_s, w0.prefill_s, w0.decode_s, w0.step_tokens) == (0.01, 1e-4, 1.5e-4, 8_192)
+    assert (w1.step_s, w1.prefill_s, w1.decode_s, w1.step_tokens) == (0.0, 0.0, 0.0, 0)
+    decision = core.decide(core.hashes(list(range(64))), 64)
+    assert decision.cost_of("w0").ttft_s == pytest.approx(64 * 1e-4 + 0.01)
+    assert decision.cost_of("w1").ttft_s is None
+    core.set_load("w0", {**speed, "prefill_ns_per_token": 200_000})
+    assert core.candidates([])[0].prefill_s == 2e-4

@@ -289,3 +289,62 @@ def test_bad_weights_name_the_field(changes: dict[str, float], message: str) -> 
     with pytest.raises(ValueError, match=message.replace(".", r"\.")):
         W.updated(**changes)
     assert W.updated(load=None, decode=2.0) == Weights(load=1.0, decode=2.0)
+
+
+# -- kv_aware with the speeds workers report (seconds, then tokens at the fastest speed) ------
+
+# 10 ms a step, 100 us a prompt token, 150 us a decode, 8,192 tokens a step.
+SPEED = {"step_s": 0.01, "prefill_s": 100e-6, "decode_s": 150e-6, "step_tokens": 8_192}
+
+
+def fast(worker: str, **fields: float | int | bool) -> Candidate:
+    return cand(worker, **{**SPEED, **fields})  # type: ignore[arg-type]
+
+
+def test_kv_aware_keeps_a_hot_prefix_on_a_busy_worker_until_its_queue_outweighs_it() -> None:
+    # a holds 3,200 of the 4,096 tokens but has 20,000 queued and 40 running; b is idle, cold.
+    busy = fast("a", matched_blocks=200, queued_prefill_tokens=20_000, running=40)
+    decision = kv_aware(req(4_096), [busy, fast("b")], Weights(), PolicyState())
+    a, b = decision.costs
+    # a: own 896 tokens = 0.0896 s; 20,896 tokens in steps of 8,192 - 40 = 3 steps of
+    # 10 ms + 40 x 150 us; ahead = 2.0 s + 3 x 16 ms = 2.048 s; cost 896 + 0.1 x 20,480.
+    assert a.ttft_s == pytest.approx(0.0896 + 2.048)
+    assert (a.cached_tokens, a.prefill_tokens) == (3_200, 896)
+    assert a.load == pytest.approx(2_048.0)
+    assert a.cost == pytest.approx(2_944.0)
+    # b: own 4,096 tokens = 0.4096 s, one step of 10 ms (100 tokens) ahead of its first token.
+    assert b.ttft_s == pytest.approx(0.4196)
+    assert b.cost == pytest.approx(4_096.0 + 10.0)
+    assert decision.worker == "a"  # a's first token is later, but b would recompute 3,200
+    # Twice the queue: 40,896 tokens in 6 steps, ahead 4.096 s: now b's first token wins.
+    busier = fast("a", matched_blocks=200, queued_prefill_tokens=40_000, running=40)
+    decision = kv_aware(req(4_096), [busier, fast("b")], Weights(), PolicyState())
+    assert decision.cost_of("a").cost == pytest.approx(896.0 + 4_096.0)
+    assert decision.worker == "b"
+    # With load 1 the choice is the earliest predicted first token: b, even at 20,000.
+    assert kv_aware(req(4_096), [busy, fast("b")], Weights(load=1.0), PolicyState()).worker == "b"
+
+
+def test_kv_aware_costs_a_slower_worker_more_for_the_same_tokens() -> None:
+    slow = fast("a", prefill_s=200e-6, matched_blocks=64)  # 1,024 cached, twice as slow
+    decision = kv_aware(req(4_096), [slow, fast("b")], Weights(), PolicyState())
+    # In tokens at the fastest speed (b's): a's 3,072 own tokens take 6,144 of them.
+    assert decision.cost_of("a").cost == pytest.approx(6_144.0 + 10.0)
+    assert decision.cost_of("a").ttft_s == pytest.approx(3_072 * 200e-6 + 0.01)
+    assert decision.cost_of("b").cost == pytest.approx(4_096.0 + 10.0)
+    assert decision.worker == "b"
+
+
+def test_kv_aware_costs_a_worker_without_a_speed_in_tokens_at_the_fastest_one() -> None:
+    # c reports no speed (an ingested engine): its tokens count as the fastest worker's, and
+    # each running sequence as `decode` (8) prompt tokens; no TTFT is predicted for it.
+    decision = kv_aware(
+        req(1_024),
+        [fast("a", queued_prefill_tokens=1_000), cand("c", running=10)],
+        Weights(),
+        PolicyState(),
+    )
+    a, c = decision.costs
+    assert a.cost == pytest.approx(1_024.0 + 0.1 * (1_000 + 100))
+    assert (c.cost, c.ttft_s) == (1_024.0 + 0.1 * 80, None)
+    assert decision.worker == "c"

@@ -69,3 +69,19 @@ def test_load_fields_round_trip() -> None:
     assert tuple(fields) == SPEED_FIELDS
     assert speed_from_load({**fields, "waiting_requests": 3}) == (TRUE, 8_192)
     assert speed_from_load({"waiting_requests": 3}) is None
+
+
+def test_a_run_of_identical_steps_counts_as_that_many() -> None:
+    """Replay's coalesced decode runs: one call for k identical steps."""
+    one_by_one, at_once = StepSpeed(), StepSpeed()
+    for speed in (one_by_one, at_once):
+        for prefill, decodes in STEPS[:4]:
+            speed.observe(TRUE.step_time(prefill, decodes), prefill, decodes)
+    for _ in range(50):
+        one_by_one.observe(TRUE.step_time(0, 9), 0, 9)
+    at_once.observe(TRUE.step_time(0, 9), 0, 9, count=50)
+    assert at_once.steps == one_by_one.steps == 54
+    # The run's steps are weighed as the newest (no decay among them): the fits agree closely.
+    assert at_once.estimate().decode_s_per_sequence == pytest.approx(
+        one_by_one.estimate().decode_s_per_sequence, rel=1e-6
+    )

@@ -108,6 +108,11 @@ class Candidate:
     cached_blocks: int = 0  # blocks of any request it holds (SGLang's tree size; if needed)
     fresh: bool = True  # whether its index data and load are current
     session: bool = False  # it served the request's session last (x-session-id or user)
+    # Its observed speed, as it reports it (app.core.step_speed); prefill_s 0: not reported.
+    step_s: float = 0.0  # fixed time of an engine step
+    prefill_s: float = 0.0  # per prompt token computed
+    decode_s: float = 0.0  # per sequence decoded in a step
+    step_tokens: int = 0  # token budget of one step (prefill chunks and decodes)
 
     def cached_tokens(self, request: RouteRequest) -> int:
         """Prompt tokens it would reuse: the last prompt token is always computed."""
@@ -123,6 +128,7 @@ class Cost:  # not frozen, for speed (one per worker per decision); treat it as 
     load: float  # the load term (prefill-token units for kv_aware; the policy's own otherwise)
     fresh: bool
     affinity: float = 0.0  # kv_aware: what the session's affinity took off the cost
+    ttft_s: float | None = None  # kv_aware: predicted time to the first token (a known speed)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,18 +1,32 @@
-"""``kv_aware`` (the default): fewest prefill-token equivalents before the request's first token.
+"""``kv_aware`` (the default): the time to the request's first token, weighed against the work
+its cache misses cause.
 
-Per worker, in prefill-token units::
+Per worker, in seconds, from the speed the worker reports (``Candidate.step_s``, ``prefill_s``,
+``decode_s``, ``step_tokens``: fitted to its own steps, ``app.core.step_speed``)::
 
-    own     = uncached tokens + host_hit * tokens to onboard from the host tier
-    ahead   = load * (queued prefill tokens + decode * running sequences)
-    cost    = own + ahead            (+ 4 prompts when the worker cannot fit the request)
-                  - session * prompt tokens   (the worker that served the request's session last)
+    own     = (uncached tokens + host_hit * tokens to onboard from the host tier) * prefill_s
+    steps   = ceil((queued prefill tokens + own tokens) / (step_tokens - decodes))
+    ahead   = queued prefill tokens * prefill_s + steps * (step_s + decodes * decode_s)
+    ttft    = own + ahead                     the predicted time to the first token
+    cost    = own + load * ahead              (+ 4 prompts when the worker cannot fit the request)
+                  - session * prompt          (the worker that served the request's session last)
+
+``decodes`` is the worker's running sequences (each takes a token of every step's budget and
+``decode_s`` of its time). ``load`` (0.1) is the trade-off between this request's wait and the
+work its misses cause: every token it recomputes is a token that the requests queued behind it
+on that worker wait for, and a second copy of a prefix competes for cache space, which a
+greedy TTFT estimate (``load`` 1) sees none of; ``docs/routing.md`` has the measurements.
+
+Costs are reported in prefill tokens at the fastest reported speed, so that they read as before
+and a slow worker's token costs more. A worker that reports no speed (an ingested engine, a
+``kvmesh register`` server, a worker before its first 32 steps) is costed in tokens as the
+fastest one, its running sequences ``decode`` prompt tokens each.
 
 The session term is soft: the session's worker keeps the request while the others' costs are
 not lower by more than ``session`` of a prompt (0.1 by default), so an agent's next call lands
 where its context is even before that worker's events arrive, and leaves a loaded worker.
 The lowest cost wins; ties go to the lower load, then to a seeded random choice. With a
 temperature above 0 the choice is sampled from ``softmax(-cost / (temperature * prompt))``.
-``docs/routing.md`` explains the choice of terms and weights.
 """
 
 from __future__ import annotations
@@ -54,7 +68,11 @@ class KvAwareConfig:
 @lru_cache(maxsize=64)  # one per weights a router uses: built once, not per decision
 def config(weights: Weights) -> KvAwareConfig:
     return KvAwareConfig(
-        weights.load, weights.decode, weights.host_hit, weights.temperature, weights.session
+        weights.load,
+        weights.decode,
+        weights.host_hit,
+        weights.temperature,
+        weights.session,
     )
 
 
@@ -64,7 +82,7 @@ def kv_aware(
     config: KvAwareConfig,
     state: PolicyState,
 ) -> Decision:
-    """Fewest prefill-token equivalents before the first token; see the module docstring."""
+    """The lowest of own prefill + ``load`` x the time ahead; see the module docstring."""
     require(candidates)
     # Locals and plain comparisons: this loop runs for every worker on every request.
     tpb = request.tokens_per_block
@@ -74,6 +92,8 @@ def kv_aware(
     w_load, w_decode, w_host = config.load, config.decode, config.host_hit
     penalty = _MEMORY_PENALTY_PROMPTS * num_tokens
     affinity = config.session * num_tokens
+    # Seconds -> prefill tokens at the fastest reported speed (1 when none reports one).
+    reference = min((c.prefill_s for c in candidates if c.prefill_s > 0), default=0.0)
     costs: list[Cost] = []
     loads: list[float] = []
     for c in candidates:
@@ -84,15 +104,32 @@ def kv_aware(
         if host_tokens > cached:
             host_tokens = cached
         own = (num_tokens - cached) + w_host * host_tokens
-        load = w_load * (c.queued_prefill_tokens + w_decode * c.running)
-        cost = own + load
+        queued = c.queued_prefill_tokens
+        prefill_s = c.prefill_s
+        ttft: float | None
+        if prefill_s > 0:
+            decodes = c.running
+            chunk = c.step_tokens - decodes
+            if chunk < tpb:
+                chunk = tpb
+            steps = -(-(queued + own) // chunk) or 1
+            own_s = own * prefill_s
+            ahead_s = queued * prefill_s + steps * (c.step_s + decodes * c.decode_s)
+            ttft = own_s + ahead_s
+            own_cost = own_s / reference
+            load = w_load * ahead_s / reference
+        else:
+            ttft = None
+            own_cost = own
+            load = w_load * (queued + w_decode * c.running)
+        cost = own_cost + load
         if c.free_blocks < need_blocks - c.matched_blocks:
             cost += penalty
         if c.session and affinity:
             cost -= affinity
-            costs.append(Cost(c.worker, cost, cached, own, load, c.fresh, affinity))
+            costs.append(Cost(c.worker, cost, cached, own, load, c.fresh, affinity, ttft))
         else:
-            costs.append(Cost(c.worker, cost, cached, own, load, c.fresh))
+            costs.append(Cost(c.worker, cost, cached, own, load, c.fresh, 0.0, ttft))
         loads.append(load)
     values = [c.cost for c in costs]
     if config.temperature > 0:
