@@ -20,8 +20,10 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, SecretStr
 from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp
 
 from app.core.errors import ApiError
+from app.core.fast_http import fast_protocol
 from app.core.middleware import error_body
 
 __all__ = [
@@ -32,6 +34,7 @@ __all__ = [
     "admin_dependency",
     "error",
     "error_responses",
+    "front_of",
     "install_error_handlers",
     "uvicorn_config",
 ]
@@ -217,18 +220,26 @@ def install_error_handlers(app: FastAPI) -> None:
         return error(exc.status_code, str(exc.detail), kind, None, **headers)
 
 
+def front_of(app: FastAPI) -> ASGIApp:
+    """What a server runs for ``app``: its ``app.state.asgi_front`` (a fast path in front of
+    the framework, which passes it everything else, lifespan included), else ``app``."""
+    front: ASGIApp = getattr(app.state, "asgi_front", app)
+    return front
+
+
 def uvicorn_config(app: FastAPI, host: str, port: int, log_level: str) -> uvicorn.Config:
-    """How every kvmesh service runs: uvloop and httptools, no access log (a line per request
-    costs more than the request), five seconds to finish in-flight requests on shutdown, and
-    idle keep-alive connections kept 75 s: longer than clients keep theirs (httpx: 5 s), so
-    that a client never sends on a connection the server is closing at that moment (a
-    ReadError, seen under load with uvicorn's own 5 s)."""
+    """How every kvmesh service runs: uvloop and httptools (with the app's fast routes, if it
+    has any: ``app.core.fast_http``; and its ``asgi_front``: ``front_of``), no access log (a
+    line per request costs more than the request), five seconds to finish in-flight requests
+    on shutdown, and idle keep-alive connections kept 75 s: longer than clients keep theirs
+    (httpx: 5 s), so that a client never sends on a connection the server is closing at that
+    moment (a ReadError, seen under load with uvicorn's own 5 s)."""
     return uvicorn.Config(
-        app,
+        front_of(app),
         host=host,
         port=port,
         loop="uvloop",
-        http="httptools",
+        http=fast_protocol(app) or "httptools",
         log_level=log_level.lower(),
         access_log=False,
         lifespan="on",

@@ -1,7 +1,7 @@
 """The router's HTTP API: the OpenAI front door, routing decisions, the cluster's state.
 
 Handlers are thin: prompts become block hashes, the ``RouterCore`` decides, ``proxy`` forwards.
-Errors are mapped to HTTP once, here, in OpenAI's shape::
+Errors are mapped to HTTP once, here, in OpenAI's shape (the proxy's own: ``app.router.proxy``)::
 
     RequestValidationError, BadRequest          400 (naming the field)
     missing bearer token                        401
@@ -20,17 +20,14 @@ worker; if that fails too the client gets a 502 naming both.
 
 from __future__ import annotations
 
-import uuid
-from collections.abc import AsyncIterator
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Annotated, Any
 
-import httpx
 import orjson
 from fastapi import APIRouter, Depends, FastAPI, Query, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
-from app.core.errors import BadRequest
 from app.core.http import (
     OrjsonResponse,
     OrjsonRoute,
@@ -40,11 +37,10 @@ from app.core.http import (
     install_error_handlers,
 )
 from app.core.lifespan import runtime_of
-from app.core.middleware import BodyLimit, error_body
+from app.core.middleware import BodyLimit
 from app.router import schemas
 from app.router.core import NoWorkerError
 from app.router.decisions import (
-    Prompt,
     chat_prompt,
     decide,
     route_body,
@@ -53,15 +49,13 @@ from app.router.decisions import (
     token_prompt,
 )
 from app.router.decisions import explain as explain_workers
-from app.router.fast_path import RouteFastPath
+from app.router.fast_path import FastPath, fast_routes
 from app.router.metrics import CONTENT_TYPE
+from app.router.proxy import proxy, request_id_of
 from app.router.runtime import RouterRuntime
 from app.router.settings import RouterSettings
 
 __all__ = ["install"]
-
-_RETRY_STATUSES = frozenset((502, 503, 504))
-
 
 Runtime = Annotated[RouterRuntime, Depends(runtime_of)]
 
@@ -69,8 +63,10 @@ Runtime = Annotated[RouterRuntime, Depends(runtime_of)]
 # -- prompts and decisions ---------------------------------------------------------------------
 
 
-def _sse(data: Any) -> bytes:
-    return b"data: " + orjson.dumps(data) + b"\n\n"
+def _payload(ours: dict[str, Any], sent: dict[str, Any]) -> Callable[[bool], bytes]:
+    """A kvmesh worker gets ``ours``, an engine behind ``kvmesh ingest`` ``sent``; serialised
+    only when sent."""
+    return lambda foreign: orjson.dumps(sent if foreign else ours)
 
 
 # -- routes ------------------------------------------------------------------------------------
@@ -140,12 +136,14 @@ def _routing_router() -> APIRouter:
             prompt = text_prompt(runtime, body.prompt, "prompt", model, session)
         else:
             prompt = token_prompt(runtime, body.prompt, "prompt", model, session)
-        request_id = _request_id(runtime, body.request_id, "cmpl")
+        request_id = request_id_of(runtime, body.request_id, "cmpl")
         sent = body.model_dump(exclude_unset=True, exclude={"routing"})
         ours = dict(sent, request_id=request_id)
         if prompt.tokens is not None:
             ours["prompt"] = prompt.tokens
-        return await _proxy(runtime, body, prompt, request_id, "/v1/completions", ours, sent)
+        payload = _payload(ours, sent)
+        path = "/v1/completions"
+        return await proxy(runtime, body, body.stream, prompt, request_id, path, payload)
 
     @router.post(
         "/v1/chat/completions",
@@ -164,13 +162,14 @@ def _routing_router() -> APIRouter:
         else:
             messages = body.template_messages()
             prompt = chat_prompt(runtime, messages, body.render_options(), model, session)
-        request_id = _request_id(runtime, body.request_id, "chatcmpl")
+        request_id = request_id_of(runtime, body.request_id, "chatcmpl")
         sent = body.model_dump(exclude_unset=True, exclude={"routing"})
         ours = dict(sent, request_id=request_id)
         if prompt.tokens is not None:
             ours["prompt_token_ids"] = prompt.tokens
+        payload = _payload(ours, sent)
         path = "/v1/chat/completions"
-        return await _proxy(runtime, body, prompt, request_id, path, ours, sent)
+        return await proxy(runtime, body, body.stream, prompt, request_id, path, payload)
 
     @router.get(
         "/v1/models",
@@ -196,113 +195,6 @@ def _routing_router() -> APIRouter:
         )
 
     return router
-
-
-def _request_id(runtime: RouterRuntime, given: str | None, prefix: str) -> str:
-    request_id = given or f"{prefix}-{uuid.uuid4().hex}"
-    if request_id in runtime.core.inflight:
-        raise BadRequest(f"request_id: {request_id!r} is already in flight", param="request_id")
-    return request_id
-
-
-async def _proxy(
-    runtime: RouterRuntime,
-    body: schemas.CompletionBody | schemas.ChatBody,
-    prompt: Prompt,
-    request_id: str,
-    path: str,
-    ours: dict[str, Any],
-    sent: dict[str, Any],
-) -> Response:
-    """Send to the best worker; once more to the next best if the first fails before
-    answering. A kvmesh worker gets ``ours`` (the router's token ids and request id), an
-    engine behind ``kvmesh ingest`` the client's body as it came (``sent``, less ``routing``):
-    it tokenizes the prompt itself."""
-    core = runtime.core
-    metrics = runtime.metrics
-    tried: list[str] = []
-    failures: list[str] = []
-    for _attempt in range(2):
-        decision, hashes, _ = decide(
-            runtime, prompt, body, request_id, "completion", exclude=tuple(tried)
-        )
-        worker = decision.worker
-        tried.append(worker)
-        view = core.workers[worker]
-        url = f"{view.url}{path}"
-        core.begin(request_id, decision, hashes, prompt.num_tokens, prompt.session)
-        try:
-            upstream = await runtime.http.send(
-                runtime.http.build_request(
-                    "POST",
-                    url,
-                    content=orjson.dumps(sent if view.foreign else ours),
-                    headers={"content-type": "application/json"},
-                ),
-                stream=True,
-            )
-        except httpx.HTTPError as exc:
-            core.finish(request_id)
-            core.unpredict(worker, hashes)  # it never got the request
-            failures.append(f"{worker}: {type(exc).__name__}")
-            metrics.retries.inc()
-            continue
-        if upstream.status_code in _RETRY_STATUSES:
-            await upstream.aclose()
-            core.finish(request_id)
-            core.unpredict(worker, hashes)
-            failures.append(f"{worker}: HTTP {upstream.status_code}")
-            metrics.retries.inc()
-            continue
-        headers = {"x-kvmesh-worker": worker}
-        if body.stream and upstream.status_code == 200:
-            return StreamingResponse(
-                _relay(runtime, request_id, upstream),
-                status_code=upstream.status_code,
-                media_type=upstream.headers.get("content-type", "text/event-stream"),
-                headers=headers,
-            )
-        try:
-            data = await upstream.aread()
-        except httpx.HTTPError as exc:
-            failures.append(f"{worker}: {type(exc).__name__} while reading")
-            return error(502, f"worker {worker} failed mid-response", "upstream_error")
-        finally:
-            await upstream.aclose()
-            core.finish(request_id)
-        metrics.completions.labels(worker=worker, status=str(upstream.status_code)).inc()
-        return Response(
-            data,
-            status_code=upstream.status_code,
-            media_type=upstream.headers.get("content-type", "application/json"),
-            headers=headers,
-        )
-    metrics.completions.labels(worker="", status="502").inc()
-    return error(
-        502,
-        f"no worker answered: {'; '.join(failures)}",
-        "upstream_error",
-    )
-
-
-async def _relay(
-    runtime: RouterRuntime, request_id: str, upstream: httpx.Response
-) -> AsyncIterator[bytes]:
-    """Pass a worker's stream through chunk by chunk; the first chunk ends the prefill."""
-    core = runtime.core
-    worker = core.inflight[request_id].worker if request_id in core.inflight else ""
-    status = "200"
-    try:
-        async for chunk in upstream.aiter_raw():
-            core.prefilled(request_id)
-            yield chunk
-    except httpx.HTTPError:
-        status = "502"
-        yield _sse(error_body("the worker failed mid-stream", "upstream_error"))
-    finally:
-        await upstream.aclose()
-        core.finish(request_id)
-        runtime.metrics.completions.labels(worker=worker, status=status).inc()
 
 
 def _cluster_router(settings: RouterSettings) -> APIRouter:
@@ -416,9 +308,13 @@ def _install_error_handlers(app: FastAPI, retry_after_s: int) -> None:
 
 
 def install(app: FastAPI, settings: RouterSettings) -> None:
-    """The router's routes, its error handlers, the fast path and the body limit."""
+    """The router's routes, its error handlers, the body limit, and the fast path in front of
+    them all (``app.state.asgi_front``: what a server runs, ``app.core.http``), and
+    ``/route``'s in the server's protocol (``app.state.fast_routes``, ``app.core.fast_http``)."""
     _install_error_handlers(app, settings.retry_after_s)
     app.include_router(_routing_router())
     app.include_router(_cluster_router(settings))
-    app.add_middleware(RouteFastPath)  # inside BodyLimit, which is added after it
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.state.asgi_front = FastPath(app, settings.max_body_bytes)
+    app.state.fast_routes = fast_routes(app, settings.max_body_bytes)
+    app.state.fast_max_body_bytes = settings.max_body_bytes

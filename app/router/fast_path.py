@@ -1,50 +1,69 @@
-"""The fast path of ``POST /route``: a plain body answered without FastAPI's request machinery.
+"""The fast path of ``POST /route`` and ``POST /v1/completions``: plain bodies answered without
+FastAPI's request machinery.
 
-At 1,000 decisions a second FastAPI's dependency solving and model validation were a third of
-the router's CPU. The checks here are the schema's; anything else (text prompts, ``routing``,
-``?explain``, a field out of range, malformed JSON, a body not sent as JSON, an error to
-report) goes to the FastAPI route, which answers it, errors included, exactly as it would have.
-The OpenAPI schema is the FastAPI route's.
+At 1,000 requests a second FastAPI's middleware, dependency solving and model validation, and
+parsing a 4,096-token prompt into Python ints, were half of the router's CPU. ``FastPath`` is
+the outermost ASGI app the server runs (``app.state.asgi_front``, see ``app.core.http``); it
+takes a request only when it is a POST to one of these two paths with no query string, a JSON
+content type and a Content-Length within ``max_body_bytes``, and its body is plain
+(``app.router.token_json``: token ids, every field of the right type and in range). The checks
+are the schema's. Anything else (text prompts, ``routing``, ``stream``, ``?explain``, a field
+out of range, malformed JSON, a body not sent as JSON, a model not served) goes to the FastAPI
+route, which answers it, errors included, exactly as it would have; a test holds both paths to
+the same answers. The OpenAPI schema is the FastAPI routes'.
+
+``route_answer`` is synchronous, so that a server can also answer ``/route`` from its protocol
+without an ASGI cycle (``app.core.fast_http``). A completion is forwarded as the client's own
+bytes: an engine behind ``kvmesh ingest`` gets the body as it came, a kvmesh worker the same
+with the router's ``request_id`` added (the token ids are not parsed into ints, nor written
+again).
 """
 
 from __future__ import annotations
 
-from array import array
+from typing import Any
 
-import numpy as np
 import orjson
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from fastapi import FastAPI
+from starlette.types import Message, Receive, Scope, Send
 
+from app.core.errors import ApiError
+from app.core.fast_http import FastRoute
 from app.router import schemas
 from app.router.core import NoWorkerError
 from app.router.decisions import Prompt, decide, route_body
+from app.router.proxy import no_worker_response, proxy, request_id_of
 from app.router.runtime import RouterRuntime
+from app.router.token_json import TokenBody, parse_token_body
 
-__all__ = ["RouteFastPath"]
+__all__ = ["FastPath", "completion_answer", "fast_routes", "route_answer"]
 
-_FAST_KEYS = frozenset(("prompt_token_ids", "prompt", "lora_task_id", "cache_salt"))
 _MAX_U64 = (1 << 64) - 1
+_ROUTE_KEYS = frozenset(("lora_task_id", "cache_salt", "model", "user"))
+_PATHS = frozenset(("/route", "/v1/completions"))
+_WS = b" \t\n\r"
 
 
-class RouteFastPath:
-    """``POST /route`` with a plain body (token ids, and at most a LoRA id and a cache salt),
-    answered without FastAPI's request machinery: at 1,000 decisions a second its dependency
-    solving and model validation were a third of the router's CPU. The checks are the same as
-    the schema's; anything else (text prompts, ``routing``, ``?explain``, a field out of range,
-    malformed JSON, an error to report) goes to the FastAPI route, which answers it, errors
-    included, exactly as before. The OpenAPI schema is the FastAPI route's."""
+class FastPath:
+    """The outermost ASGI app: plain ``/route`` and ``/v1/completions`` bodies answered here,
+    everything else passed to ``app`` (see the module docstring)."""
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: FastAPI, max_body_bytes: int) -> None:
         self.app = app
+        self.max_body_bytes = max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if (
             scope["type"] != "http"
-            or scope["path"] != "/route"
             or scope["method"] != "POST"
+            or scope["path"] not in _PATHS
             or scope["query_string"]
-            or not _json_content(scope)
         ):
+            await self.app(scope, receive, send)
+            return
+        session = plain_headers(scope["headers"], self.max_body_bytes)
+        runtime: RouterRuntime | None = getattr(self.app.state, "runtime", None)
+        if session is None or runtime is None:
             await self.app(scope, receive, send)
             return
         chunks: list[bytes] = []
@@ -56,78 +75,162 @@ class RouteFastPath:
             chunks.append(message.get("body", b""))
             more = message.get("more_body", False)
         body = b"".join(chunks)
-        runtime: RouterRuntime | None = getattr(scope["app"].state, "runtime", None)
-        answer = _fast_route(runtime, body) if runtime is not None else None
-        if answer is None:
-            await self.app(scope, _replay(body), send)
-            return
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 200,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", b"%d" % len(answer)),
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": answer})
+        if scope["path"] == "/route":
+            answer = route_answer(runtime, body, session or None)
+            if answer is not None:
+                await send(
+                    {
+                        "type": "http.response.start",
+                        "status": 200,
+                        "headers": [
+                            (b"content-type", b"application/json"),
+                            (b"content-length", b"%d" % len(answer)),
+                        ],
+                    }
+                )
+                await send({"type": "http.response.body", "body": answer})
+                return
+        else:
+            response = await completion_answer(runtime, body, session or None)
+            if response is not None:
+                await response(scope, receive, send)
+                return
+        await self.app(scope, _replay(body, receive), send)
 
 
-def _json_content(scope: Scope) -> bool:
-    """Whether FastAPI would parse this body as JSON (its strict content type: a JSON media
-    type, not a missing one); when not, the route refuses the body, and so must this path."""
-    for name, value in scope["headers"]:
+def fast_routes(app: FastAPI, max_body_bytes: int) -> dict[bytes, FastRoute]:
+    """``POST /route`` for the server's protocol (``app.core.fast_http``), answered as
+    ``FastPath`` answers it."""
+
+    def route(headers: list[tuple[bytes, bytes]], body: bytes) -> bytes | None:
+        session = plain_headers(headers, max_body_bytes)
+        runtime: RouterRuntime | None = getattr(app.state, "runtime", None)
+        if session is None or runtime is None:
+            return None
+        return route_answer(runtime, body, session or None)
+
+    return {b"/route": route}
+
+
+def plain_headers(headers: list[tuple[bytes, bytes]], max_body_bytes: int) -> str | None:
+    """The session (``x-session-id``, "" when none) of a request whose headers the fast path
+    takes: a JSON content type (FastAPI parses the body only for one), a Content-Length within
+    the limit (else ``BodyLimit`` answers), no ``Expect``; None for any other."""
+    json_type = False
+    length = False
+    session = ""
+    seen = False
+    for name, value in headers:
         if name == b"content-type":
             kind = value.split(b";", 1)[0].strip().lower()
-            return kind == b"application/json" or (
+            json_type = kind == b"application/json" or (
                 kind.startswith(b"application/") and kind.endswith(b"+json")
             )
-    return False
+        elif name == b"content-length":
+            length = value.isdigit() and int(value) <= max_body_bytes
+        elif name == b"x-session-id" and not seen:  # the first, as Starlette reads it
+            session = value.decode("latin-1")
+            seen = True
+        elif name == b"expect" or name == b"transfer-encoding":
+            return None
+    return session if json_type and length else None
 
 
-def _replay(body: bytes) -> Receive:
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """The body already read, then the connection's own messages (a streamed answer listens
+    for the client's disconnect)."""
     sent = False
 
-    async def receive() -> Message:
+    async def replay() -> Message:
         nonlocal sent
         if sent:
-            return {"type": "http.disconnect"}
+            return await receive()
         sent = True
         return {"type": "http.request", "body": body, "more_body": False}
 
-    return receive
+    return replay
 
 
-def _fast_route(runtime: RouterRuntime, body: bytes) -> bytes | None:
-    """The answer to a plain ``/route`` body, or None when the FastAPI route must answer."""
-    try:
-        data = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        return None
-    if type(data) is not dict or not data.keys() <= _FAST_KEYS:
-        return None
-    if ("prompt" in data) == ("prompt_token_ids" in data):
-        return None
-    if len(runtime.core.named_models()) > 1:  # the request must name its model: the route says
-        return None
-    tokens = data.get("prompt_token_ids", data.get("prompt"))
+def _str_or_none(value: Any, longest: int | None = None) -> bool:
+    return value is None or (type(value) is str and (longest is None or 0 < len(value) <= longest))
+
+
+def _prompt_fields(
+    runtime: RouterRuntime, parsed: TokenBody, session: str | None
+) -> tuple[Prompt, schemas.PromptFields] | None:
+    """The prompt and its cache-key fields, or None where the schema or the model would say
+    more than "fine"."""
+    data = parsed.fields
     lora, salt = data.get("lora_task_id"), data.get("cache_salt")
+    model, user = data.get("model"), data.get("user")
     if (
-        type(tokens) is not list
-        or not 0 < len(tokens) <= runtime.settings.max_prompt_tokens
+        len(parsed.words) > runtime.settings.max_prompt_tokens
         or (lora is not None and (type(lora) is not int or not 0 <= lora <= _MAX_U64))
-        or (salt is not None and (type(salt) is not str or not 0 < len(salt) <= 256))
+        or not _str_or_none(salt, 256)
+        or not _str_or_none(model)
+        or not _str_or_none(user)
     ):
         return None
     try:
-        words = np.frombuffer(array("I", tokens), dtype=np.uint32)
-    except (OverflowError, TypeError):  # the FastAPI route names the problem
+        resolved = runtime.resolve_model(model)
+    except ApiError:  # the FastAPI route says which model, in OpenAI's words
         return None
+    # ``tokens`` is only read as "tokenized" on these paths: the ids are ``words``.
+    prompt = Prompt(parsed.words, len(parsed.words), [], resolved, session or user)
     fields = schemas.PromptFields.model_construct(lora_task_id=lora, cache_salt=salt, routing=None)
+    return prompt, fields
+
+
+def route_answer(runtime: RouterRuntime, body: bytes, session: str | None) -> bytes | None:
+    """The 200 answer to a plain ``/route`` body, or None when the FastAPI route must answer
+    (it answers the 503 of no worker too, with its Retry-After)."""
+    parsed = parse_token_body(body)
+    if parsed is None or not parsed.fields.keys() <= _ROUTE_KEYS:
+        return None
+    made = _prompt_fields(runtime, parsed, session)
+    if made is None:
+        return None
+    prompt, fields = made
     try:
-        prompt = Prompt(words, len(tokens), tokens)
         decision, _, seconds = decide(runtime, prompt, fields, "", "route")
     except NoWorkerError:
-        return None  # the FastAPI route answers the 503, with its Retry-After
+        return None
     return orjson.dumps(route_body(runtime, decision, prompt, seconds))
+
+
+async def completion_answer(runtime: RouterRuntime, body: bytes, session: str | None) -> Any:
+    """The worker's answer to a plain, non-streamed ``/v1/completions`` body (a Response), or
+    None when the FastAPI route must answer."""
+    parsed = parse_token_body(body)
+    if parsed is None or parsed.key != "prompt":
+        return None
+    data = parsed.fields
+    given_id, max_tokens = data.get("request_id"), data.get("max_tokens", 16)
+    if (
+        "routing" in data
+        or data.get("stream", False) is not False
+        or type(max_tokens) is not int
+        or max_tokens < 1
+        or not _str_or_none(given_id, 128)
+    ):
+        return None
+    made = _prompt_fields(runtime, parsed, session)
+    if made is None:
+        return None
+    prompt, fields = made
+    try:
+        request_id = request_id_of(runtime, given_id, "cmpl")
+    except ApiError:
+        return None
+    if given_id is None:
+        ours = body.rstrip(_WS)[:-1] + b',"request_id":' + orjson.dumps(request_id) + b"}"
+    else:
+        ours = body
+
+    def payload(foreign: bool) -> bytes:
+        return body if foreign else ours
+
+    try:
+        return await proxy(runtime, fields, False, prompt, request_id, "/v1/completions", payload)
+    except NoWorkerError as exc:
+        return no_worker_response(runtime, exc)

@@ -1,0 +1,147 @@
+"""Forwarding a completion to the chosen worker: the FastAPI routes' and the fast path's.
+
+A worker that fails before answering (connection refused or reset, a timeout on connecting, or
+a 502/503/504) is tried once more on the next best worker; if that fails too the client gets a
+502 naming both. A worker's own answer (a 4xx about the request, say) is passed through as it
+came, with the worker's id in ``x-kvmesh-worker``.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import httpx
+import orjson
+from fastapi.responses import Response, StreamingResponse
+
+from app.core.errors import BadRequest
+from app.core.http import error
+from app.core.middleware import error_body
+from app.router import schemas
+from app.router.core import NoWorkerError
+from app.router.decisions import Prompt, decide
+from app.router.runtime import RouterRuntime
+
+__all__ = ["no_worker_response", "proxy", "request_id_of"]
+
+_RETRY_STATUSES = frozenset((502, 503, 504))
+_JSON_HEADERS = {"content-type": "application/json"}
+
+# What a worker is sent, by whether it is an engine behind ``kvmesh ingest`` (``foreign``).
+Payload = Callable[[bool], bytes]
+
+
+def request_id_of(runtime: RouterRuntime, given: str | None, prefix: str) -> str:
+    request_id = given or f"{prefix}-{uuid.uuid4().hex}"
+    if request_id in runtime.core.inflight:
+        raise BadRequest(f"request_id: {request_id!r} is already in flight", param="request_id")
+    return request_id
+
+
+def no_worker_response(runtime: RouterRuntime, exc: NoWorkerError) -> Response:
+    """The 503 of no worker to send to, with its Retry-After."""
+    retry_after = str(runtime.settings.retry_after_s)
+    return error(503, str(exc), "unavailable_error", None, **{"Retry-After": retry_after})
+
+
+def _sse(data: Any) -> bytes:
+    return b"data: " + orjson.dumps(data) + b"\n\n"
+
+
+async def proxy(
+    runtime: RouterRuntime,
+    fields: schemas.PromptFields | schemas.ChatBody,
+    stream: bool,
+    prompt: Prompt,
+    request_id: str,
+    path: str,
+    payload: Payload,
+) -> Response:
+    """Send to the best worker; once more to the next best if the first fails before
+    answering. A kvmesh worker gets ``payload(False)`` (the router's token ids and request
+    id), an engine behind ``kvmesh ingest`` ``payload(True)`` (the client's body as it came,
+    less ``routing``): it tokenizes the prompt itself."""
+    core = runtime.core
+    metrics = runtime.metrics
+    tried: list[str] = []
+    failures: list[str] = []
+    for _attempt in range(2):
+        decision, hashes, _ = decide(
+            runtime, prompt, fields, request_id, "completion", exclude=tuple(tried)
+        )
+        worker = decision.worker
+        tried.append(worker)
+        view = core.workers[worker]
+        url = f"{view.url}{path}"
+        core.begin(request_id, decision, hashes, prompt.num_tokens, prompt.session)
+        try:
+            upstream = await runtime.http.send(
+                runtime.http.build_request(
+                    "POST", url, content=payload(view.foreign), headers=_JSON_HEADERS
+                ),
+                stream=True,
+            )
+        except httpx.HTTPError as exc:
+            core.finish(request_id)
+            core.unpredict(worker, hashes)  # it never got the request
+            failures.append(f"{worker}: {type(exc).__name__}")
+            metrics.retries.inc()
+            continue
+        if upstream.status_code in _RETRY_STATUSES:
+            await upstream.aclose()
+            core.finish(request_id)
+            core.unpredict(worker, hashes)
+            failures.append(f"{worker}: HTTP {upstream.status_code}")
+            metrics.retries.inc()
+            continue
+        headers = {"x-kvmesh-worker": worker}
+        if stream and upstream.status_code == 200:
+            return StreamingResponse(
+                _relay(runtime, request_id, upstream),
+                status_code=upstream.status_code,
+                media_type=upstream.headers.get("content-type", "text/event-stream"),
+                headers=headers,
+            )
+        try:
+            data = await upstream.aread()
+        except httpx.HTTPError as exc:
+            failures.append(f"{worker}: {type(exc).__name__} while reading")
+            return error(502, f"worker {worker} failed mid-response", "upstream_error")
+        finally:
+            await upstream.aclose()
+            core.finish(request_id)
+        metrics.completions.labels(worker=worker, status=str(upstream.status_code)).inc()
+        return Response(
+            data,
+            status_code=upstream.status_code,
+            media_type=upstream.headers.get("content-type", "application/json"),
+            headers=headers,
+        )
+    metrics.completions.labels(worker="", status="502").inc()
+    return error(
+        502,
+        f"no worker answered: {'; '.join(failures)}",
+        "upstream_error",
+    )
+
+
+async def _relay(
+    runtime: RouterRuntime, request_id: str, upstream: httpx.Response
+) -> AsyncIterator[bytes]:
+    """Pass a worker's stream through chunk by chunk; the first chunk ends the prefill."""
+    core = runtime.core
+    worker = core.inflight[request_id].worker if request_id in core.inflight else ""
+    status = "200"
+    try:
+        async for chunk in upstream.aiter_raw():
+            core.prefilled(request_id)
+            yield chunk
+    except httpx.HTTPError:
+        status = "502"
+        yield _sse(error_body("the worker failed mid-stream", "upstream_error"))
+    finally:
+        await upstream.aclose()
+        core.finish(request_id)
+        runtime.metrics.completions.labels(worker=worker, status=status).inc()

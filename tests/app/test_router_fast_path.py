@@ -1,0 +1,158 @@
+"""The fast path (``app.router.fast_path``, ``app.router.token_json``) against the FastAPI
+routes: the same status and body for good and bad input, and which bodies it takes at all."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import numpy as np
+import orjson
+import pytest
+
+from app.core.http import front_of
+from app.router.fast_path import route_answer
+from app.router.token_json import parse_token_body
+from app.services import router_app
+from events.publisher import EventPublisher
+from events.redis_io import redis_client
+from events.snapshot import Snapshot
+from tests.app.router_support import router_settings
+from tests.support.json_server import JsonServer
+from tests.support.wait import eventually
+
+P = list(range(100, 140))
+J = {"content-type": "application/json"}
+
+
+def test_token_bodies_are_parsed_exactly() -> None:
+    parsed = parse_token_body(b' { "model" : "m", "prompt" :[ 1 ,2,\n4294967295 ] , "x": [1]}')
+    assert parsed is not None
+    assert (parsed.key, parsed.words.tolist(), parsed.fields) == (
+        "prompt",
+        [1, 2, 4294967295],
+        {"model": "m", "x": [1]},
+    )
+    assert parsed.words.dtype == np.uint32
+    body = orjson.dumps({"prompt_token_ids": P})
+    parsed = parse_token_body(body)
+    assert parsed is not None and body[parsed.start : parsed.end] == orjson.dumps(P)
+    for bad in (
+        b'{"prompt": []}',
+        b'{"prompt": [1, -1]}',
+        b'{"prompt": [4294967296]}',
+        b'{"prompt": [1.5]}',
+        b'{"prompt": [01]}',
+        b'{"prompt": [1e3]}',
+        b'{"prompt": [1,]}',
+        b'{"prompt": [1], }',
+        b'{, "prompt": [1]}',
+        b'{"prompt": [1]} x',
+        b'{"prompt": [1], "prompt": [2]}',
+        b'{"prompt_token_ids": [1], "prompt": [2]}',
+        b'{"a": "\\"prompt\\": [1]"}',
+        b'{"a": {"prompt": [1]}}',
+        b'{"prompt": "text"}',
+        b'[{"prompt": [1]}]',
+    ):
+        assert parse_token_body(bad) is None, bad
+
+
+def _echo(path: str, body: Any) -> tuple[int, Any]:
+    return 200, {"path": path, "keys": sorted(body), "num_tokens": len(body.get("prompt", []))}
+
+
+async def _publisher(redis: Any, url: str) -> EventPublisher:
+    publisher = EventPublisher(
+        redis,
+        "w0",
+        snapshot_source=lambda: Snapshot([], -1),
+        registry_entry={"url": url, "tokens_per_block": 16, "capacity": [4096, 0]},
+        load_source=lambda: {"active_sequences": 0, "waiting_requests": 0},
+    )
+    await publisher.start()
+    return publisher
+
+
+ROUTE_CASES: list[tuple[bytes, bool]] = [  # (body, whether the fast path answers it)
+    (orjson.dumps({"prompt_token_ids": P}), True),
+    (orjson.dumps({"prompt": P, "cache_salt": "s", "lora_task_id": 3}), True),
+    (orjson.dumps({"model": None, "user": "u", "prompt": P}), True),
+    (b'{ "prompt" : [ 1 , 2 ,3 ] }', True),
+    (b"{not json", False),
+    (b"[]", False),
+    (b'{"prompt": []}', False),
+    (b'{"prompt": [1, -1]}', False),
+    (b'{"prompt": [1, 4294967296]}', False),
+    (b'{"prompt": [1.5]}', False),
+    (b'{"prompt": [true]}', False),
+    (b'{"prompt": [1], "prompt": [2]}', False),
+    (b'{"prompt": [1], "cache_salt": ""}', False),
+    (b'{"prompt": [1], "lora_task_id": -1}', False),
+    (b'{"prompt": [1], "model": "any"}', True),  # workers that name no model serve any
+    (b'{"prompt": [1], "extra": 1}', False),
+    (b'{"prompt": [1],}', False),
+    (b'{"prompt": [1]} x', False),
+    (b'{"prompt": "some text"}', False),
+    (b'{"prompt_token_ids": [1], "prompt": [2]}', False),
+]
+
+COMPLETION_CASES: list[tuple[bytes, bool]] = [
+    (orjson.dumps({"prompt": P, "max_tokens": 2, "request_id": "r1"}), True),
+    (orjson.dumps({"prompt": P, "temperature": 0.5, "request_id": "r2"}), True),
+    (orjson.dumps({"prompt": P, "user": "u", "logprobs": None, "request_id": "r3"}), True),
+    (orjson.dumps({"prompt": P, "max_tokens": 0}), False),
+    (orjson.dumps({"prompt": P, "max_tokens": True}), False),
+    (orjson.dumps({"prompt": P, "max_tokens": 2.0}), False),
+    (orjson.dumps({"prompt": P, "stream": "yes"}), False),
+    (orjson.dumps({"prompt": P, "request_id": ""}), False),
+    (orjson.dumps({"prompt_token_ids": P}), False),
+    (orjson.dumps({"prompt": P, "routing": {"policy": "round_robin"}, "request_id": "r4"}), False),
+    (b'{"prompt": [1, 2], "max_tokens": 1,}', False),
+]
+
+
+@pytest.mark.parametrize("path", ["/route", "/v1/completions"])
+async def test_the_fast_path_and_the_framework_answer_alike(
+    clean_redis_url: str, path: str
+) -> None:
+    with JsonServer(_echo).running() as engine:
+        redis = redis_client(clean_redis_url)
+        publisher = await _publisher(redis, engine.url)
+        app = router_app(router_settings(clean_redis_url))
+        try:
+            async with (
+                app.router.lifespan_context(app),
+                httpx.AsyncClient(
+                    transport=httpx.ASGITransport(app=front_of(app)), base_url="http://r"
+                ) as fast,
+                httpx.AsyncClient(
+                    transport=httpx.ASGITransport(app=app), base_url="http://r"
+                ) as full,
+            ):
+                runtime = app.state.runtime
+                await eventually(lambda: runtime.readiness()["ready"])
+                cases = ROUTE_CASES if path == "/route" else COMPLETION_CASES
+                for body, taken in cases:
+                    if path == "/route":
+                        assert (route_answer(runtime, body, None) is not None) == taken, body
+                    answers = [await c.post(path, content=body, headers=J) for c in (fast, full)]
+                    statuses = [a.status_code for a in answers]
+                    assert statuses[0] == statuses[1], (body, statuses)
+                    assert statuses[0] == 200 if taken else True  # pydantic takes [true] as [1]
+                    bodies = [a.json() for a in answers]
+                    for one in bodies:
+                        one.pop("decision_us", None)
+                    assert bodies[0] == bodies[1], body
+                    if statuses[0] != 200:
+                        assert 400 <= statuses[0] < 500
+                        assert bodies[0]["error"]["message"]
+                    if path == "/v1/completions" and statuses[0] == 200:
+                        assert answers[0].headers["x-kvmesh-worker"] == "w0"
+                        sent = [dict(b) for _, b in engine.requests[-2:]]
+                        ids = [one.pop("request_id") for one in sent]
+                        assert sent[0] == sent[1]  # the worker got the same body both ways
+                        assert ids[0] == ids[1] if b"request_id" in body else ids[0] != ids[1]
+        finally:
+            await publisher.aclose()
+            await redis.aclose()
