@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import logging
+import socket
 import sys
 import typing
 from collections.abc import Callable, Coroutine, Sequence
@@ -337,12 +339,35 @@ def _cmd_router(args: argparse.Namespace) -> int:
     from app.router.settings import RouterSettings
 
     def serve_router(settings: RouterSettings) -> None:
+        if settings.processes > 1:
+            from app.core.replicas import serve_replicas
+
+            replica = functools.partial(_router_replica, settings)
+            code = serve_replicas(settings.processes, settings.host, settings.port, replica)
+            if code:
+                raise SystemExit(code)
+            return
         from app.core.serving import serve
         from app.services import router_app
 
         serve(router_app(settings), settings.host, settings.port, settings.log_level)
 
     return _run_service(args, RouterSettings, serve_router)
+
+
+def _router_replica(settings: Any, sock: socket.socket, index: int) -> None:
+    """One of ``kvmesh router --processes N``'s processes (spawned: ``app.core.replicas``)."""
+    from app.core.replicas import die_with_parent
+    from app.core.serving import serve
+    from app.services import router_app
+
+    die_with_parent()
+    logging.basicConfig(
+        level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    if settings.router_id is not None:
+        settings = settings.model_copy(update={"router_id": f"{settings.router_id}-{index}"})
+    serve(router_app(settings), settings.host, settings.port, settings.log_level, sock)
 
 
 def _cmd_dashboard(args: argparse.Namespace) -> int:

@@ -8,6 +8,7 @@ own server (a drain comes first); the router and the dashboard use this one.
 from __future__ import annotations
 
 import logging
+import socket
 from types import FrameType
 
 import uvicorn
@@ -18,11 +19,14 @@ from app.core.http import uvicorn_config
 __all__ = ["serve"]
 
 
-def serve(app: FastAPI, host: str, port: int, log_level: str) -> None:
-    """Run ``app`` until SIGTERM/SIGINT (blocking)."""
+def serve(
+    app: FastAPI, host: str, port: int, log_level: str, sock: socket.socket | None = None
+) -> None:
+    """Run ``app`` until SIGTERM/SIGINT (blocking); on ``sock`` (a listening socket another
+    process bound: ``app.core.replicas``) instead of binding ``host:port`` when given."""
     config = uvicorn_config(app, host, port, log_level)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per proxied request
-    _Server(config).run()
+    _Server(config).run(sockets=[sock] if sock is not None else None)
 
 
 class _Server(uvicorn.Server):

@@ -62,6 +62,13 @@ class RouterSettings(Settings):
     router_id: str | None = Field(
         None, min_length=1, description="this router's id among replicas (default: HOST-PID)"
     )
+    processes: int = Field(
+        1,
+        ge=1,
+        le=256,
+        description="router processes serving the port, each a replica with its own router id "
+        "(ROUTER_ID-i when --router-id is given), sharing decisions through Redis",
+    )
     tokens_per_block: int | None = Field(
         None, ge=1, description="block size to hash prompts with (default: the workers')"
     )
