@@ -20,6 +20,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from app.core.http import uvicorn_config
+from app.core.http_protocol import OneWriteHttpToolsProtocol
 from app.core.lifespan import runtime_lifespan
 from app.worker.api import install
 from app.worker.runtime import WorkerRuntime
@@ -75,7 +76,9 @@ class _Server(uvicorn.Server):
 
 
 def serve(settings: WorkerSettings) -> None:
-    """Run the worker until SIGTERM/SIGINT (blocking)."""
+    """Run the worker until SIGTERM/SIGINT (blocking); each answer leaves in one write
+    (``app.core.http_protocol``)."""
     app = create_app(settings)
     config = uvicorn_config(app, settings.host, settings.port, settings.log_level)
+    config.http = OneWriteHttpToolsProtocol
     _Server(config, app).run()
