@@ -4,14 +4,14 @@ cache, so that a conversation's next request encodes only its new turns.
 A chat template writes a control token (an added token: ``<|im_start|>``, ``[INST]``,
 ``<start_of_turn>``) at every turn. Cut the text right before each one and the pieces encode
 independently, with ids IDENTICAL to encoding the whole text, when the tokenizer is one whose
-pipeline is proven to work split by split (``boundary_pattern`` checks it, from the tokenizer's
+pipeline is proven to work split by split (``control_tokens`` checks it, from the tokenizer's
 own description; where it cannot, it returns None and the caller encodes the whole text):
 
 1. The tokenizers library first finds the added tokens whose ``normalized`` is false, in the raw
    text, leftmost-longest and without overlaps (``AddedVocabulary::extract_and_normalize``), and
    splits the text at them. A cut at the start of such a match leaves both sides with the same
    matches: the match at the cut is found again from the cut (it is the leftmost one there and
-   the same text follows), and no match crosses the cut. ``boundary_pattern`` finds exactly
+   the same text follows), and no match crosses the cut. ``PieceEncoder`` finds exactly
    those matches (the literals longest first, so Python's leftmost-first alternation is
    leftmost-longest), and only if no such token has ``lstrip``, ``rstrip`` or ``single_word``
    (they move or veto a match by looking at its neighbours) and special tokens are split out
@@ -28,10 +28,24 @@ own description; where it cannot, it returns None and the caller encodes the who
 Pieces are cached by their text (a piece starting with a control token can never equal a first
 piece, which starts with none), recently used last; the cache holds at most ``max_tokens`` ids
 (about 45 bytes each with its share of the text on CPython: 2**18 ids, about 12 MB).
+
+A request's whole prefix is remembered too: its text up to its last cut (in a chat, up to the
+generation prompt, which the next request replaces with the reply) and those ids, keyed by the
+cut and the ``KEY_CHARS`` before it. The next request looks among its last ``PREFIX_CUTS``
+control tokens for a remembered prefix and starts from it, so it neither scans nor looks up
+the conversation's earlier pieces. Starting at an earlier request's cut ``c`` is exact when
+the new text equals that request's text up to ``c`` (``startswith``), holds a control token at
+``c``, and no control token in it crosses ``c``: then the scan of the new text finds the same
+matches before ``c`` as the earlier one (each was leftmost-longest among more candidates) and
+none between the last of them and ``c``, so it finds a match at ``c``, a cut of the new text.
+The prefixes hold up to ``PREFIX_FACTOR * max_tokens`` ids (references to the int objects the
+pieces hold: about 11 bytes an id with its text); a prefix a longer one of the same
+conversation replaces is dropped.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import threading
@@ -39,9 +53,13 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["DEFAULT_CACHE_TOKENS", "PieceCacheInfo", "PieceEncoder", "boundary_pattern"]
+__all__ = ["DEFAULT_CACHE_TOKENS", "PieceCacheInfo", "PieceEncoder", "control_tokens"]
 
 DEFAULT_CACHE_TOKENS = 1 << 18
+PREFIX_FACTOR = 4
+KEY_CHARS = 32
+PREFIX_CUTS = 16  # a new request adds at most this many control tokens to find its prefix
+PREFIX_WINDOWS = (1_024, 16_384)  # ... within this many characters of its end, nearest first
 
 # Components that transform each split from its text alone (``Metaspace``: and from whether it
 # starts the input; see the module docstring), by their ``type`` in tokenizer.json.
@@ -85,9 +103,9 @@ def _state_ok(state: Any, allowed: frozenset[str]) -> bool:
     return kind in allowed
 
 
-def boundary_pattern(backend: Any) -> re.Pattern[str] | None:
+def control_tokens(backend: Any) -> tuple[str, ...] | None:
     """The added tokens before which ``backend`` (a ``tokenizers.Tokenizer``) can be cut into
-    independently encoded pieces, as one pattern; None when that is not proven for it."""
+    independently encoded pieces; None when that is not proven for it."""
     if backend.encode_special_tokens or backend.truncation or backend.padding:
         return None
     model = backend.model
@@ -102,68 +120,153 @@ def boundary_pattern(backend: Any) -> re.Pattern[str] | None:
     raw = [t for t in backend.get_added_tokens_decoder().values() if not t.normalized]
     if not raw or any(t.lstrip or t.rstrip or t.single_word or not t.content for t in raw):
         return None
-    literals = sorted({t.content for t in raw}, key=len, reverse=True)
-    return re.compile("|".join(re.escape(literal) for literal in literals))
+    return tuple(sorted({t.content for t in raw}, key=lambda t: (-len(t), t)))
 
 
 @dataclass(frozen=True, slots=True)
 class PieceCacheInfo:
-    """The cache's counters since it was made: pieces found and encoded, characters sent to the
-    tokenizer, and what it holds."""
+    """The cache's counters since it was made (pieces found and encoded, characters sent to the
+    tokenizer, requests that started from a remembered prefix) and what it holds."""
 
     hits: int
     misses: int
     encoded_chars: int
+    prefix_hits: int
     pieces: int
     tokens: int
     max_tokens: int
+    prefixes: int
+    prefix_tokens: int
+
+
+@dataclass(slots=True)
+class _Prefix:
+    """A request's text up to one of its cuts (``len(text)``), and that text's ids."""
+
+    text: str
+    ids: list[int]
 
 
 class PieceEncoder:
-    """Encodes rendered chats piece by piece through an LRU of piece ids; see the module
-    docstring. ``max_tokens`` bounds the ids held (0: nothing is kept)."""
+    """Encodes rendered chats piece by piece through an LRU of piece ids, from a remembered
+    prefix where one is found; see the module docstring. ``tokens``: ``control_tokens``'
+    answer; ``max_tokens`` bounds the ids the pieces hold (0: none are kept, nor prefixes)."""
 
-    def __init__(self, backend: Any, boundary: re.Pattern[str], max_tokens: int) -> None:
+    def __init__(self, backend: Any, tokens: tuple[str, ...], max_tokens: int) -> None:
         if max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
+        if not tokens or not all(tokens):
+            raise ValueError("control tokens must be non-empty strings")
         self._encode = backend.encode
-        self._boundary = boundary
+        # one int object per id, made together: the cached lists point at these, so copying
+        # a 4k-id prefix touches a few compact pages, not 4k scattered objects
+        vocab = backend.get_vocab(with_added_tokens=True).values()
+        self._canonical = list(range(max(vocab, default=-1) + 1))
+        # longest first: Python's leftmost-first alternation is then leftmost-longest
+        literals = sorted(set(tokens), key=lambda t: (-len(t), t))
+        self._boundary = re.compile("|".join(re.escape(literal) for literal in literals))
+        self._longest = len(literals[0])
+        self._first_chars = frozenset(literal[0] for literal in literals)
         self.max_tokens = max_tokens
+        self.max_prefix_tokens = PREFIX_FACTOR * max_tokens
         self._pieces: OrderedDict[str, list[int]] = OrderedDict()
         self._num_tokens = 0  # == sum of len(ids) over self._pieces
-        self._hits = self._misses = self._encoded_chars = 0
+        self._prefixes: OrderedDict[tuple[int, str], _Prefix] = OrderedDict()
+        self._num_prefix_tokens = 0  # == sum of len(prefix.ids) over self._prefixes
+        self._hits = self._misses = self._encoded_chars = self._prefix_hits = 0
         self._lock = threading.Lock()  # a router may encode from more than one thread
 
     def encode(self, text: str) -> list[int]:
-        """``text``'s ids (no special tokens added): those of its pieces, in order."""
-        cuts = [match.start() for match in self._boundary.finditer(text)]
-        cuts.append(len(text))
-        ids: list[int] = []
-        get, move_to_end = self._pieces.get, self._pieces.move_to_end
-        num_pieces = num_misses = encoded_chars = start = 0
+        """``text``'s ids (no special tokens added): a remembered prefix's, then its pieces'."""
         with self._lock:
-            for end in cuts:
-                if end == start:  # the text starts with a control token
-                    continue
-                piece = text[start:end]
-                start = end
-                num_pieces += 1
-                found = get(piece)
-                if found is None:
-                    found = self._miss(piece)
-                    num_misses += 1
-                    encoded_chars += len(piece)
-                else:
-                    move_to_end(piece)
-                ids += found
-            self._hits += num_pieces - num_misses
-            self._misses += num_misses
-            self._encoded_chars += encoded_chars
+            key = self._find_prefix(text)
+            if key is None:
+                ids: list[int] = []
+                start = 0
+            else:
+                prefix = self._prefixes[key]
+                ids = prefix.ids.copy()
+                start = len(prefix.text)
+                self._prefix_hits += 1
+            last_cut, num_last = self._add_pieces(text, start, ids)
+            if last_cut > 0 and (key is None or key[0] < last_cut):
+                self._remember(text, last_cut, ids[: len(ids) - num_last], key)
         return ids
+
+    def _key(self, text: str, cut: int) -> tuple[int, str]:
+        return cut, text[max(0, cut - KEY_CHARS) : cut]
+
+    def _find_prefix(self, text: str) -> tuple[int, str] | None:
+        """The key of the longest remembered prefix ``text`` can start from (the module
+        docstring says when it can), among its last ``PREFIX_CUTS`` control tokens."""
+        if not self._prefixes:
+            return None
+        looked = 0
+        end = len(text)  # the cuts from here on were looked at
+        for size in PREFIX_WINDOWS:
+            low = max(0, len(text) - size)
+            high = min(len(text), end + self._longest)  # a token across ``end`` too
+            starts = [match.start() for match in self._boundary.finditer(text, low, high)]
+            for cut in reversed(starts):
+                if cut >= end:
+                    continue
+                key = self._key(text, cut)
+                prefix = self._prefixes.get(key)
+                exact = prefix is not None and text.startswith(prefix.text)
+                if exact and self._uncrossed(text, cut):
+                    self._prefixes.move_to_end(key)
+                    return key
+                looked += 1
+                if looked == PREFIX_CUTS:
+                    return None
+            if low == 0:
+                return None
+            end = low
+        return None
+
+    def _uncrossed(self, text: str, cut: int) -> bool:
+        """Does no control token in ``text`` start before ``cut`` and end after it?"""
+        match_at = self._boundary.match
+        for start in range(max(0, cut - self._longest + 1), cut):
+            if text[start] in self._first_chars:
+                found = match_at(text, start)  # the longest token there
+                if found is not None and found.end() > cut:
+                    return False
+        return True
+
+    def _add_pieces(self, text: str, start: int, ids: list[int]) -> tuple[int, int]:
+        """Append the ids of ``text[start:]`` (``start``: 0 or a cut), piece by piece; return
+        where the last piece starts (0 when no cut) and how many ids it has."""
+        cuts = [match.start() for match in self._boundary.finditer(text, start)]
+        cuts.append(len(text))
+        get, move_to_end = self._pieces.get, self._pieces.move_to_end
+        num_pieces = num_misses = encoded_chars = num_last = 0
+        last_cut = start
+        for end in cuts:
+            if end == start:  # the text, or its tail, starts with a control token
+                continue
+            piece = text[start:end]
+            last_cut, start = start, end
+            num_pieces += 1
+            found = get(piece)
+            if found is None:
+                found = self._miss(piece)
+                num_misses += 1
+                encoded_chars += len(piece)
+            else:
+                move_to_end(piece)
+            ids += found
+            num_last = len(found)
+        self._hits += num_pieces - num_misses
+        self._misses += num_misses
+        self._encoded_chars += encoded_chars
+        return last_cut, num_last
 
     def _miss(self, piece: str) -> list[int]:
         """Encode a piece the cache lacks, and keep it (unless empty or over the bound)."""
         ids: list[int] = self._encode(piece, add_special_tokens=False).ids
+        with contextlib.suppress(IndexError):  # an id past the vocabulary keeps its object
+            ids = list(map(self._canonical.__getitem__, ids))
         if ids and len(ids) <= self.max_tokens:  # an empty piece would cost nothing, forever
             self._pieces[piece] = ids
             self._num_tokens += len(ids)
@@ -172,19 +275,41 @@ class PieceEncoder:
                 self._num_tokens -= len(dropped)
         return ids
 
+    def _remember(
+        self, text: str, cut: int, ids: list[int], replaces: tuple[int, str] | None
+    ) -> None:
+        """Keep ``text[:cut]`` and its ``ids``, in place of the prefix it grew from."""
+        if replaces is not None:
+            self._num_prefix_tokens -= len(self._prefixes.pop(replaces).ids)
+        if len(ids) > self.max_prefix_tokens:
+            return
+        key = self._key(text, cut)
+        old = self._prefixes.pop(key, None)
+        if old is not None:
+            self._num_prefix_tokens -= len(old.ids)
+        self._prefixes[key] = _Prefix(text[:cut], ids)
+        self._num_prefix_tokens += len(ids)
+        while self._num_prefix_tokens > self.max_prefix_tokens:
+            _, dropped = self._prefixes.popitem(last=False)
+            self._num_prefix_tokens -= len(dropped.ids)
+
     def info(self) -> PieceCacheInfo:
         with self._lock:
             return PieceCacheInfo(
                 hits=self._hits,
                 misses=self._misses,
                 encoded_chars=self._encoded_chars,
+                prefix_hits=self._prefix_hits,
                 pieces=len(self._pieces),
                 tokens=self._num_tokens,
                 max_tokens=self.max_tokens,
+                prefixes=len(self._prefixes),
+                prefix_tokens=self._num_prefix_tokens,
             )
 
     def clear(self) -> None:
-        """Forget every piece (the counters stay)."""
+        """Forget every piece and prefix (the counters stay)."""
         with self._lock:
             self._pieces.clear()
-            self._num_tokens = 0
+            self._prefixes.clear()
+            self._num_tokens = self._num_prefix_tokens = 0

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Mapping, Sequence
+from itertools import chain
 from typing import Any
 
 from transformers.utils import chat_template_utils
@@ -110,7 +111,7 @@ class ChatRenderer:
         if template is None:
             template = self._fast[source] = self._compile_fast(source)
         chat = [_template_message(m) for m in messages]
-        if any(not _REASONING_FIELDS.isdisjoint(m) for m in chat):
+        if not _REASONING_FIELDS.isdisjoint(chain.from_iterable(chat)):  # any message's keys
             chat = _alias_reasoning(chat)
         variables = _plain({**self._hf.special_tokens_map, **template_kwargs})
         text: str = template.render(

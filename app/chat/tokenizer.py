@@ -35,7 +35,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from app.chat.pieces import DEFAULT_CACHE_TOKENS, PieceCacheInfo, PieceEncoder, boundary_pattern
+from app.chat.pieces import DEFAULT_CACHE_TOKENS, PieceCacheInfo, PieceEncoder, control_tokens
 from app.chat.render import ChatRenderer
 
 __all__ = ["ChatTemplateError", "ModelTokenizer", "TokenizerLoadError"]
@@ -63,9 +63,9 @@ class ModelTokenizer:
         self._backend = backend  # a tokenizers.Tokenizer: what both forms encode with
         self._hf = hf  # the transformers tokenizer of a directory; None for a bare file
         self._renderer = ChatRenderer(hf) if hf is not None else None
-        boundary = boundary_pattern(backend) if cache_tokens > 0 else None
+        tokens = control_tokens(backend) if cache_tokens > 0 else None
         # None: rendered chats are encoded whole (no cache wanted, or not proven separable)
-        self._pieces = PieceEncoder(backend, boundary, cache_tokens) if boundary else None
+        self._pieces = PieceEncoder(backend, tokens, cache_tokens) if tokens else None
 
     @classmethod
     def load(cls, path: str | Path, *, cache_tokens: int = DEFAULT_CACHE_TOKENS) -> ModelTokenizer:

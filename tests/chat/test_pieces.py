@@ -16,7 +16,7 @@ from tokenizers import AddedToken, Tokenizer, pre_tokenizers
 from transformers import AutoTokenizer
 
 from app.bench.chat import DEMO_MODEL
-from app.chat.pieces import PieceCacheInfo, PieceEncoder, boundary_pattern
+from app.chat.pieces import PieceCacheInfo, PieceEncoder, control_tokens
 from app.chat.tokenizer import ModelTokenizer
 from tests.support.chat_models import CONVERSATIONS, PREFILLS, STYLES, WEATHER_TOOL, tokenizer_dir
 
@@ -89,7 +89,11 @@ def test_a_growing_conversation_is_encoded_as_transformers_encodes_each_request(
             assert ids == expected
             assert ids == _whole(ours, ours.render_chat(messages))
     info = ours.piece_cache
-    assert info is not None and info.hits > info.misses
+    assert info is not None
+    # every request after a conversation's first starts from the one before it; but Mistral's
+    # template writes the system prompt into the last user turn, so its texts differ early
+    assert info.prefix_hits == (0 if model == "mistral" else 3 * 8)
+    assert info.hits > info.misses
 
 
 @pytest.mark.parametrize(("style", "name"), [(s, n) for s in STYLES for n in CONVERSATIONS[s]])
@@ -149,10 +153,12 @@ def test_the_next_request_encodes_only_its_new_turns(dirs: dict[str, Path]) -> N
     ids = ours.encode_chat(second)
     after = ours.piece_cache
     assert after is not None
-    # new: "<|im_start|>assistant\n" + reply and "<|im_start|>user\n" + question; the other
-    # seven pieces (two turns, four <|im_end|>\n, the generation prompt) come from the cache
+    # it starts from the first request's text up to its generation prompt; then, new:
+    # "<|im_start|>assistant\n" + reply and "<|im_start|>user\n" + question; from the cache:
+    # two <|im_end|>\n and the generation prompt
+    assert after.prefix_hits - before.prefix_hits == 1
     assert after.misses - before.misses == 2
-    assert after.hits - before.hits == 7
+    assert after.hits - before.hits == 3
     new_chars = len("<|im_start|>assistant\n" + reply) + len("<|im_start|>user\n" + question)
     assert after.encoded_chars - before.encoded_chars == new_chars
     assert ids == _whole(ours, ours.render_chat(second))
@@ -178,9 +184,12 @@ def test_the_cache_keeps_at_most_its_bound_and_drops_the_least_recently_used(
         hits=2,
         misses=3,
         encoded_chars=info.encoded_chars,
+        prefix_hits=0,
         pieces=2,
         tokens=sizes[0] + sizes[2],
         max_tokens=bound,
+        prefixes=0,  # each text is one piece: no cut inside it to start a later text from
+        prefix_tokens=0,
     )
     ours.encode_rendered(pieces[1])  # encoded again
     again = ours.piece_cache
@@ -197,10 +206,10 @@ def test_no_cache_encodes_the_whole_text(dirs: dict[str, Path]) -> None:
     messages = CONVERSATIONS["llama3"]["multi_turn"]["messages"]
     assert ours.encode_chat(messages) == _whole(ours, ours.render_chat(messages))
     backend = Tokenizer.from_file(str(dirs["llama3"] / "tokenizer.json"))
-    pattern = boundary_pattern(backend)
-    assert pattern is not None
+    tokens = control_tokens(backend)
+    assert tokens is not None
     with pytest.raises(ValueError, match="max_tokens must be >= 0, got -1"):
-        PieceEncoder(backend, pattern, -1)
+        PieceEncoder(backend, tokens, -1)
 
 
 def _chatml(dirs: dict[str, Path]) -> Tokenizer:
@@ -248,9 +257,9 @@ def test_a_tokenizer_not_proven_separable_has_no_boundaries(
     change: Any, dirs: dict[str, Path]
 ) -> None:
     tokenizer = _chatml(dirs)
-    assert boundary_pattern(tokenizer) is not None
+    assert control_tokens(tokenizer) is not None
     change(tokenizer)
-    assert boundary_pattern(tokenizer) is None
+    assert control_tokens(tokenizer) is None
     ours = ModelTokenizer("probe", tokenizer)
     assert ours.piece_cache is None
     text = "<|im_start|>user\nHello <mask> world<|im_end|>\n"
@@ -262,9 +271,9 @@ def test_overlapping_control_tokens_are_cut_leftmost_longest(dirs: dict[str, Pat
     tokenizer.add_special_tokens(
         [AddedToken(t, normalized=False) for t in ("<x>", "<x>y", "x><", "><x", "<x><")]
     )
-    pattern = boundary_pattern(tokenizer)
-    assert pattern is not None
-    encoder = PieceEncoder(tokenizer, pattern, 1_000)
+    tokens = control_tokens(tokenizer)
+    assert tokens is not None
+    encoder = PieceEncoder(tokenizer, tokens, 1_000)
     rng = random.Random(5)
     alphabet = ("<", ">", "x", "y", "<x>", " ", "a", "<|im_end|>", "<|im_start|>", "é")
     for _ in range(1_000):
@@ -288,3 +297,88 @@ def test_a_template_that_quotes_a_control_token_is_encoded_as_transformers(
         assert ids == theirs["chatml"].apply_chat_template(
             messages, tokenize=True, return_dict=False, **options
         )
+
+
+# -- starting from a remembered prefix -------------------------------------------------------------
+
+
+def _extensions(rng: random.Random, alphabet: tuple[str, ...], num: int) -> list[str]:
+    """Texts each made from the one before: cut anywhere (inside a control token too), then
+    grown by a few fragments; now and then a fresh one."""
+    texts = [""]
+    for _ in range(num):
+        before = texts[-1] if rng.random() < 0.9 else ""
+        kept = before[: rng.randint(len(before) // 2, len(before))] if before else ""
+        texts.append(kept + "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 6))))
+    return texts[1:]
+
+
+@pytest.mark.parametrize("window", [6, 40, 16_384])
+def test_texts_grown_from_earlier_ones_are_encoded_as_the_whole_text(
+    window: int, dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Overlapping control tokens (one inside, before or after another), texts cut inside them
+    and grown again, and a prefix search window that starts anywhere, inside a token too."""
+    monkeypatch.setattr("app.chat.pieces.PREFIX_WINDOWS", (window // 2, window))
+    tokenizer = _chatml(dirs)
+    tokenizer.add_special_tokens(
+        [AddedToken(t, normalized=False) for t in ("<x>", "<x>y", "z<x>q", "x><", "<x><")]
+    )
+    tokens = control_tokens(tokenizer)
+    assert tokens is not None
+    encoder = PieceEncoder(tokenizer, tokens, 1_000)
+    alphabet = ("<", ">", "x", "y", "z", "q", "<x>", " ", "a", "<|im_end|>", "<|im_start|>", "é")
+    for text in _extensions(random.Random(3), alphabet, 3_000):
+        assert encoder.encode(text) == tokenizer.encode(text, add_special_tokens=False).ids, text
+    info = encoder.info()
+    # a quarter of the texts start from an earlier one (fewer with a window of a few characters)
+    assert info.prefix_hits >= (50 if window == 6 else 700)
+    assert info.prefix_tokens <= encoder.max_prefix_tokens
+
+
+def test_a_control_token_crossing_the_remembered_cut_is_not_a_start(
+    dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The new text has the earlier text up to its cut and a control token at the cut, but
+    another one starting before the cut runs past it: that one is the match, not the cut."""
+    monkeypatch.setattr("app.chat.pieces.PREFIX_WINDOWS", (9,))  # the search starts at the cut
+    tokenizer = _chatml(dirs)
+    tokenizer.add_special_tokens([AddedToken(t, normalized=False) for t in ("<x>", "z<x>q")])
+    tokens = control_tokens(tokenizer)
+    assert tokens is not None
+    encoder = PieceEncoder(tokenizer, tokens, 1_000)
+    encoder.encode("hello z<x>r")  # remembers "hello z", cut before "<x>"
+    crossed = "hello z<x>q rain"  # "z<x>q" is the match; no cut before "<x>"
+    assert len(crossed) - 9 == len("hello z")
+    assert encoder.encode(crossed) == tokenizer.encode(crossed, add_special_tokens=False).ids
+    assert encoder.info().prefix_hits == 0
+    uncrossed = "hello z<x>r rain"
+    assert encoder.encode(uncrossed) == tokenizer.encode(uncrossed, add_special_tokens=False).ids
+    assert encoder.info().prefix_hits == 1
+
+
+def test_an_edited_turn_misses_the_prefix_and_a_resent_request_hits_it(
+    dirs: dict[str, Path], theirs: dict[str, Any]
+) -> None:
+    ours = ModelTokenizer.load(dirs["llama3"])
+    requests = _growing_conversation("llama3", 5, 3)
+    for messages in requests:
+        ours.encode_chat(messages)
+    before = ours.piece_cache
+    assert before is not None and (before.prefix_hits, before.prefixes) == (3, 1)
+    edited = copy.deepcopy(requests[-1])
+    edited[1]["content"] += " (edited)"
+    ids = ours.encode_chat(edited)
+    assert ids == theirs["llama3"].apply_chat_template(
+        edited, tokenize=True, return_dict=False, add_generation_prompt=True
+    )
+    after_edit = ours.piece_cache
+    assert after_edit is not None
+    assert (after_edit.prefix_hits, after_edit.prefixes) == (3, 2)  # a new conversation
+    assert after_edit.misses - before.misses == 1  # the edited turn's piece
+    # sent again: all from its own prefix, but for its last piece (<|end_header_id|>\n\n)
+    ours.encode_chat(requests[-1])
+    resent = ours.piece_cache
+    assert resent is not None
+    assert (resent.prefix_hits, resent.prefixes) == (4, 2)
+    assert (resent.misses, resent.hits - after_edit.hits) == (after_edit.misses, 1)
