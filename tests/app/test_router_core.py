@@ -239,3 +239,44 @@ def test_the_speed_a_worker_reports_reaches_the_policy() -> None:
     assert decision.cost_of("w1").ttft_s is None
     core.set_load("w0", {**speed, "prefill_ns_per_token": 200_000})
     assert core.candidates([])[0].prefill_s == 2e-4
+
+
+def test_a_worker_that_reports_no_speed_is_timed_by_its_first_tokens() -> None:
+    """An engine without speed reports (ingested, registered): the router fits the TTFTs it
+    timed, 50 ms + 100 us per token to get through, and costs the worker by them once it has
+    MIN_STEPS (32) of them. A request that ended unstreamed (finish alone) is not a TTFT."""
+    core, clock = make_core(1)
+    view = core.workers["w0"]
+    for i in range(40):
+        tokens = list(range(1_000 * i, 1_000 * i + 64 * (1 + i % 5)))
+        hashes = core.hashes(tokens)
+        decision = core.decide(hashes, len(tokens))
+        flight = core.begin(f"r{i}", decision, hashes, len(tokens))
+        assert flight.ahead_tokens == 0  # one at a time: nothing queued ahead
+        # As if 100 x (i % 3) tokens had been queued ahead: the tokens to get through vary
+        # apart from the prompt's length.
+        flight.ahead_tokens = 100 * (i % 3)
+        clock.now += 0.05 + 1e-4 * (flight.prefill_tokens + flight.ahead_tokens)
+        if i == 31:
+            assert view.speed_terms() == (0.0, 0.0, 0.0, 0)  # 31 timed so far: none
+        core.prefilled(f"r{i}")
+        core.finish(f"r{i}")
+    core.begin("late", core.decide([], 64), [], 64)
+    clock.now += 9.0
+    core.finish("late")  # never streamed: its 9 s are not a first token
+    step_s, prefill_s, decode_s, budget = view.speed_terms()
+    assert step_s == pytest.approx(0.05, rel=1e-3)
+    assert prefill_s == pytest.approx(1e-4, rel=1e-3)
+    assert (decode_s, budget) == (0.0, 1 << 40)
+    assert view.timed is not None and view.timed.steps == 40
+    assert view.as_dict()["speed"] == {
+        "source": "timed",
+        "step_s": step_s,
+        "prefill_s_per_token": prefill_s,
+        "decode_s_per_sequence": 0.0,
+    }
+    # A report of its own replaces the timing.
+    core.set_load("w0", {"step_overhead_us": 8_000, "prefill_ns_per_token": 50_000,
+                         "decode_ns_per_sequence": 0, "max_tokens_per_step": 2_048})  # fmt: skip
+    assert view.speed_terms() == (0.008, 5e-5, 0.0, 2_048)
+    assert view.as_dict()["speed"]["source"] == "reported"
