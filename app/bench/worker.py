@@ -48,6 +48,9 @@ engine does. Timed: all of it, building each ``LlmRequest`` included; the token 
 from the garbage collector (``gc.freeze``) as in ``kvmesh bench manager``.
 
 ``service_efficiency`` = ``requests_per_s`` / ``manager_only_requests_per_s``.
+``service_cpu_us_per_request`` = ``worker_cpu_us_per_request`` - ``manager_only_cpu_us_per_request``
+(the manager part's CPU time): what the service adds per request over the bare manager, in CPU
+time, which a busy machine disturbs less than it disturbs the rates.
 """
 
 from __future__ import annotations
@@ -232,9 +235,11 @@ def measure_manager(
     gc.collect()
     gc.freeze()
     try:
+        cpu = time.process_time()
         start = time.perf_counter()
         counters = replay(mgr, prompts, 1 + len(warmup), live_max)
         seconds = time.perf_counter() - start
+        cpu = time.process_time() - cpu
     finally:
         gc.unfreeze()
     if mgr.num_dropped_events:
@@ -243,6 +248,7 @@ def measure_manager(
     return {
         "manager_only_requests_per_s": round(len(prompts) / seconds, 1),
         "manager_only_us_per_request": round(seconds / len(prompts) * 1e6, 1),
+        "manager_only_cpu_us_per_request": round(cpu / len(prompts) * 1e6, 1),
         "manager_only_hit_rate": round(counters["reused"] / prompt_tokens, 6),
         "manager_only_events": counters["events"],
     }
@@ -513,10 +519,13 @@ def measure(
     manager = measure_manager(prompts, warmup, concurrency)
     service = measure_service(redis_url, redis_pid, prompts, warmup, num_sequential, concurrency)
     efficiency = service["requests_per_s"] / manager["manager_only_requests_per_s"]
+    worker_cpu = service["worker_cpu_us_per_request"]
+    overhead = worker_cpu - manager["manager_only_cpu_us_per_request"] if worker_cpu else None
     return {
         **service,
         **manager,
         "service_efficiency": round(efficiency, 3),
+        "service_cpu_us_per_request": round(overhead, 1) if overhead is not None else None,
         "max_tokens": MAX_TOKENS,
         "max_tokens_per_step": WORKER_OPTIONS["max_tokens_per_step"],
         "num_gpu_blocks": WORKER_OPTIONS["num_gpu_blocks"],

@@ -30,6 +30,8 @@ KEYS = {
     "hit_rate",
     "manager_only_requests_per_s",
     "service_efficiency",
+    "manager_only_cpu_us_per_request",
+    "service_cpu_us_per_request",
     "requests",
     "ok",
     "failed",
@@ -89,6 +91,10 @@ def test_quick_run_from_the_command_line() -> None:
     assert 0 < report["latency_p50_ms"] <= report["latency_p99_ms"]
     expected = report["requests_per_s"] / report["manager_only_requests_per_s"]
     assert abs(report["service_efficiency"] - expected) < 1e-3
+    assert report["manager_only_cpu_us_per_request"] > 0
+    if report["worker_cpu_us_per_request"] is not None:  # None where /proc is not there
+        overhead = report["worker_cpu_us_per_request"] - report["manager_only_cpu_us_per_request"]
+        assert report["service_cpu_us_per_request"] == round(overhead, 1)
 
     # Every prefix is cached by the warm-up, so each timed request reuses exactly its shared
     # 2,048 tokens (hit rate 0.5), give or take a partial match of a random suffix block.
