@@ -139,9 +139,15 @@ class PieceCacheInfo:
     prefix_tokens: int
 
 
+def _key(text: str, cut: int) -> tuple[int, str]:
+    """A remembered prefix's key: where it ends, and the ``KEY_CHARS`` before."""
+    return cut, text[max(0, cut - KEY_CHARS) : cut]
+
+
 @dataclass(slots=True)
 class _Prefix:
-    """A request's text up to one of its cuts (``len(text)``), and that text's ids."""
+    """A request's text up to one of its cuts (``len(text)``), and that text's ids (a list
+    this cache alone holds: a grown conversation extends it in place)."""
 
     text: str
     ids: list[int]
@@ -179,26 +185,27 @@ class PieceEncoder:
     def encode(self, text: str) -> list[int]:
         """``text``'s ids (no special tokens added): a remembered prefix's, then its pieces'."""
         with self._lock:
-            key = self._find_prefix(text)
-            if key is None:
+            prefix = self._take_prefix(text)
+            if prefix is None:
                 ids: list[int] = []
                 start = 0
             else:
-                prefix = self._prefixes[key]
                 ids = prefix.ids.copy()
                 start = len(prefix.text)
                 self._prefix_hits += 1
             last_cut, num_last = self._add_pieces(text, start, ids)
-            if last_cut > 0 and (key is None or key[0] < last_cut):
-                self._remember(text, last_cut, ids[: len(ids) - num_last], key)
+            if prefix is not None and last_cut > start:  # grown: this text's prefix, in place
+                prefix.ids += ids[len(prefix.ids) : len(ids) - num_last]
+                prefix.text = text[:last_cut]
+            elif prefix is None and last_cut > 0:
+                prefix = _Prefix(text[:last_cut], ids[: len(ids) - num_last])
+            if prefix is not None:
+                self._keep_prefix(prefix)
         return ids
 
-    def _key(self, text: str, cut: int) -> tuple[int, str]:
-        return cut, text[max(0, cut - KEY_CHARS) : cut]
-
-    def _find_prefix(self, text: str) -> tuple[int, str] | None:
-        """The key of the longest remembered prefix ``text`` can start from (the module
-        docstring says when it can), among its last ``PREFIX_CUTS`` control tokens."""
+    def _take_prefix(self, text: str) -> _Prefix | None:
+        """The longest remembered prefix ``text`` can start from (the module docstring says
+        when it can), among its last ``PREFIX_CUTS`` control tokens, taken out of the LRU."""
         if not self._prefixes:
             return None
         looked = 0
@@ -210,12 +217,13 @@ class PieceEncoder:
             for cut in reversed(starts):
                 if cut >= end:
                     continue
-                key = self._key(text, cut)
+                key = _key(text, cut)
                 prefix = self._prefixes.get(key)
                 exact = prefix is not None and text.startswith(prefix.text)
                 if exact and self._uncrossed(text, cut):
-                    self._prefixes.move_to_end(key)
-                    return key
+                    taken = self._prefixes.pop(key)
+                    self._num_prefix_tokens -= len(taken.ids)
+                    return taken
                 looked += 1
                 if looked == PREFIX_CUTS:
                     return None
@@ -275,20 +283,16 @@ class PieceEncoder:
                 self._num_tokens -= len(dropped)
         return ids
 
-    def _remember(
-        self, text: str, cut: int, ids: list[int], replaces: tuple[int, str] | None
-    ) -> None:
-        """Keep ``text[:cut]`` and its ``ids``, in place of the prefix it grew from."""
-        if replaces is not None:
-            self._num_prefix_tokens -= len(self._prefixes.pop(replaces).ids)
-        if len(ids) > self.max_prefix_tokens:
+    def _keep_prefix(self, prefix: _Prefix) -> None:
+        """Remember ``prefix`` as the most recently used (unless over the bound)."""
+        if len(prefix.ids) > self.max_prefix_tokens:
             return
-        key = self._key(text, cut)
+        key = _key(prefix.text, len(prefix.text))
         old = self._prefixes.pop(key, None)
         if old is not None:
             self._num_prefix_tokens -= len(old.ids)
-        self._prefixes[key] = _Prefix(text[:cut], ids)
-        self._num_prefix_tokens += len(ids)
+        self._prefixes[key] = prefix
+        self._num_prefix_tokens += len(prefix.ids)
         while self._num_prefix_tokens > self.max_prefix_tokens:
             _, dropped = self._prefixes.popitem(last=False)
             self._num_prefix_tokens -= len(dropped.ids)

@@ -158,7 +158,8 @@ class RouterCore:
     def set_load(self, worker: str, load: dict[str, int]) -> None:
         view = self.workers.get(worker)
         if view is not None:
-            view.set_load(load)
+            view.load = load
+            view.changed()
 
     def set_stale(self, worker: str, reason: str | None) -> None:
         """Mark ``worker``'s data stale (``reason``) or fresh (None)."""
@@ -317,12 +318,10 @@ class RouterCore:
             worker,
             prefill_tokens=num_tokens - decision.expected_cached_tokens,
             blocks=-(-num_tokens // self.tokens_per_block),
-            started=self.clock(),
         )
         self.inflight[request_id] = flight
         view = self.workers.get(worker)
         if view is not None:
-            flight.ahead_tokens = view.load_terms()[0]
             view.inflight_prefill_tokens += flight.prefill_tokens
             view.inflight_running += 1
             view.inflight_blocks += flight.blocks
@@ -334,10 +333,8 @@ class RouterCore:
             hook("begin", flight, block_hashes)
         return flight
 
-    def prefilled(self, request_id: str, *, timed: bool = True) -> None:
-        """The request's prompt is processed: its first token came back (``timed``: now, so
-        that the time since ``begin`` is its TTFT; ``finish`` of a request never streamed
-        knows only that it ended)."""
+    def prefilled(self, request_id: str) -> None:
+        """The request's prompt is processed (its first token came back)."""
         flight = self.inflight.get(request_id)
         if flight is None or flight.prefilled:
             return
@@ -345,16 +342,13 @@ class RouterCore:
         view = self.workers.get(flight.worker)
         if view is not None:
             view.inflight_prefill_tokens -= flight.prefill_tokens
-            if timed and "prefill_ns_per_token" not in view.load:
-                ttft = self.clock() - flight.started
-                view.observe_ttft(ttft, flight.ahead_tokens + flight.prefill_tokens)
             view.changed()
         for hook in self.flight_hooks:
             hook("prefilled", flight, ())
 
     def finish(self, request_id: str) -> None:
         """The request ended (completed, failed or cancelled): it leaves the accounting."""
-        self.prefilled(request_id, timed=False)
+        self.prefilled(request_id)
         flight = self.inflight.pop(request_id, None)
         if flight is None:
             return

@@ -7,14 +7,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from app.core.step_speed import MIN_STEPS, StepSpeed, speed_from_load
+from app.core.step_speed import speed_from_load
 
 __all__ = ["InFlight", "RoutingState", "WorkerView"]
 
 RoutingState = Literal["up", "stale", "draining", "cordoned"]
-
-_TIMED_HALF_LIFE = 500  # first tokens
-_ONE_STEP = 1 << 40  # a step budget no prompt fills: the timed fit is per request, not per step
 
 
 @dataclass(slots=True)
@@ -40,9 +37,6 @@ class WorkerView:
     remote_blocks: int = 0
     _terms: tuple[int, int, int, int] | None = None
     _speed: tuple[float, float, float, int] | None = None  # parsed from load; see speed_terms
-    # For a worker that reports no speed: its TTFTs as this router timed them (streamed first
-    # tokens), against the prefill tokens it had to get through (queued ahead plus own).
-    timed: StepSpeed | None = None
 
     def load_terms(self) -> tuple[int, int, int, int]:
         """(queued prefill tokens, running, active blocks, free blocks): the worker's report
@@ -55,21 +49,17 @@ class WorkerView:
 
     def changed(self) -> None:
         self._terms = None
-
-    def set_load(self, load: dict[str, int]) -> None:
-        self.load = load
-        self._terms = None
         self._speed = None
 
     def speed_terms(self) -> tuple[float, float, float, int]:
         """(step s, prefill s per token, decode s per sequence, step token budget) as the
-        worker last reported them (app.core.step_speed), else as this router timed its first
-        tokens; all 0 when neither is known. Cached until a new report or a refit."""
+        worker last reported them (app.core.step_speed); all 0 when it reports no speed.
+        Cached with the load terms."""
         speed = self._speed
         if speed is None:
             reported = speed_from_load(self.load)
             if reported is None:
-                speed = self._timed_speed()
+                speed = (0.0, 0.0, 0.0, 0)
             else:
                 timing, budget = reported
                 speed = (
@@ -96,29 +86,6 @@ class WorkerView:
             max(blocks, load.get("used_blocks_0", 0)),
             max(free - blocks, 0),
         )
-
-    def observe_ttft(self, ttft_s: float, prefill_tokens: int) -> None:
-        """A first token ``ttft_s`` after the request was sent, with ``prefill_tokens`` to get
-        through (queued ahead plus its own); used while the worker reports no speed."""
-        timed = self.timed
-        if timed is None:
-            timed = self.timed = StepSpeed(half_life_steps=_TIMED_HALF_LIFE)
-        timed.observe(ttft_s, prefill_tokens, 0)
-        if timed.steps % MIN_STEPS == 0:
-            self._speed = None
-
-    def _timed_speed(self) -> tuple[float, float, float, int]:
-        """The router's own fit, ``ttft = fixed + prefill_s x tokens``, as a speed of one step
-        (whatever the engine's steps, a first token's time is linear in the tokens before it,
-        its fixed part the latency of the first step and the path); zeros before
-        ``MIN_STEPS`` first tokens."""
-        timed = self.timed
-        if timed is None or timed.steps < MIN_STEPS:
-            return (0.0, 0.0, 0.0, 0)
-        fit = timed.estimate()
-        if fit.prefill_s_per_token <= 0:
-            return (0.0, 0.0, 0.0, 0)
-        return (fit.step_overhead_s, fit.prefill_s_per_token, 0.0, _ONE_STEP)
 
     @property
     def admitting(self) -> bool:
@@ -154,18 +121,6 @@ class WorkerView:
                 "blocks": self.remote_blocks,
             },
             "decisions": self.num_decisions,
-            "speed": self._speed_dict(),
-        }
-
-    def _speed_dict(self) -> dict[str, Any] | None:
-        step_s, prefill_s, decode_s, _ = self.speed_terms()
-        if not prefill_s:
-            return None
-        return {
-            "source": "reported" if speed_from_load(self.load) is not None else "timed",
-            "step_s": step_s,
-            "prefill_s_per_token": prefill_s,
-            "decode_s_per_sequence": decode_s,
         }
 
 
@@ -177,6 +132,4 @@ class InFlight:
     blocks: int
     prefilled: bool = False
     router: str = ""  # another router's id, for a flight it shared; "" for this router's own
-    started: float = 0.0  # the router's clock at begin (own flights)
-    ahead_tokens: int = 0  # prefill tokens queued on its worker at begin, as the router saw it
     started_at: float = 0.0  # the core's clock when it began (for the remote ones' age)
