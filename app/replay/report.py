@@ -40,7 +40,7 @@ from typing import Any, Final
 import numpy as np
 import numpy.typing as npt
 
-from app.replay.cluster import RequestRecord, RunResult
+from app.replay.cluster import POOLED, RequestRecord, RunResult
 
 __all__ = [
     "IMBALANCE_WINDOW_S",
@@ -233,6 +233,12 @@ def plot(
         )
         if len(ttft):
             ax.plot(ttft, np.arange(1, len(ttft) + 1) / len(ttft), label=result.policy)
+        if result.policy == POOLED:  # the floor no placement can beat (module docstring)
+            done = [r for r in result.requests if not math.isnan(r.first_token_s)]
+            floor = np.sort(ttft_floor(result, done))
+            if len(floor):
+                y = np.arange(1, len(floor) + 1) / len(floor)
+                ax.plot(floor, y, "k--", linewidth=1, label="floor (alone, pooled hits)")
     ax.set_xscale("log")
     ax.set_xlabel("TTFT (s, log scale)")
     ax.set_ylabel("fraction of requests")

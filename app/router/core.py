@@ -158,8 +158,7 @@ class RouterCore:
     def set_load(self, worker: str, load: dict[str, int]) -> None:
         view = self.workers.get(worker)
         if view is not None:
-            view.load = load
-            view.changed()
+            view.set_load(load)
 
     def set_stale(self, worker: str, reason: str | None) -> None:
         """Mark ``worker``'s data stale (``reason``) or fresh (None)."""

@@ -49,12 +49,16 @@ class WorkerView:
 
     def changed(self) -> None:
         self._terms = None
-        self._speed = None
+
+    def set_load(self, load: dict[str, int]) -> None:
+        self.load = load
+        self._terms = None
+        self._speed = None  # parsed again from the new report, once
 
     def speed_terms(self) -> tuple[float, float, float, int]:
         """(step s, prefill s per token, decode s per sequence, step token budget) as the
         worker last reported them (app.core.step_speed); all 0 when it reports no speed.
-        Cached with the load terms."""
+        Cached until its next report."""
         speed = self._speed
         if speed is None:
             reported = speed_from_load(self.load)
@@ -121,6 +125,17 @@ class WorkerView:
                 "blocks": self.remote_blocks,
             },
             "decisions": self.num_decisions,
+            "speed": self._speed_dict(),
+        }
+
+    def _speed_dict(self) -> dict[str, float] | None:
+        step_s, prefill_s, decode_s, _ = self.speed_terms()
+        if not prefill_s:
+            return None
+        return {
+            "step_s": step_s,
+            "prefill_s_per_token": prefill_s,
+            "decode_s_per_sequence": decode_s,
         }
 
 

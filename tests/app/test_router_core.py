@@ -237,5 +237,11 @@ def test_the_speed_a_worker_reports_reaches_the_policy() -> None:
     decision = core.decide(core.hashes(list(range(64))), 64)
     assert decision.cost_of("w0").ttft_s == pytest.approx(64 * 1e-4 + 0.01)
     assert decision.cost_of("w1").ttft_s is None
+    assert core.workers["w0"].as_dict()["speed"] == {
+        "step_s": 0.01,
+        "prefill_s_per_token": 1e-4,
+        "decode_s_per_sequence": 1.5e-4,
+    }
+    assert core.workers["w1"].as_dict()["speed"] is None
     core.set_load("w0", {**speed, "prefill_ns_per_token": 200_000})
     assert core.candidates([])[0].prefill_s == 2e-4
