@@ -27,7 +27,10 @@ own description; where it cannot, it returns None and the caller encodes the who
 
 Pieces are cached by their text (a piece starting with a control token can never equal a first
 piece, which starts with none), recently used last; the cache holds at most ``max_tokens`` ids
-(about 45 bytes each with its share of the text on CPython: 2**18 ids, about 12 MB).
+(about 45 bytes each with its share of the text on CPython: 2**18 ids, about 12 MB). Ids are
+kept in tuples of one shared int object per vocabulary id: the garbage collector stops
+tracking such tuples, so a full cache does not lengthen its passes, and copying a 4k-id
+prefix touches a few compact pages, not 4k scattered objects.
 
 A request's whole prefix is remembered too: its text up to its last cut (in a chat, up to the
 generation prompt, which the next request replaces with the reply) and those ids, keyed by the
@@ -45,7 +48,6 @@ conversation replaces is dropped.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import re
 import threading
@@ -144,13 +146,12 @@ def _key(text: str, cut: int) -> tuple[int, str]:
     return cut, text[max(0, cut - KEY_CHARS) : cut]
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class _Prefix:
-    """A request's text up to one of its cuts (``len(text)``), and that text's ids (a list
-    this cache alone holds: a grown conversation extends it in place)."""
+    """A request's text up to one of its cuts (``len(text)``), and that text's ids."""
 
     text: str
-    ids: list[int]
+    ids: tuple[int, ...]
 
 
 class PieceEncoder:
@@ -164,8 +165,7 @@ class PieceEncoder:
         if not tokens or not all(tokens):
             raise ValueError("control tokens must be non-empty strings")
         self._encode = backend.encode
-        # one int object per id, made together: the cached lists point at these, so copying
-        # a 4k-id prefix touches a few compact pages, not 4k scattered objects
+        # one int object per id, made together, for the cached tuples to share
         vocab = backend.get_vocab(with_added_tokens=True).values()
         self._canonical = list(range(max(vocab, default=-1) + 1))
         # longest first: Python's leftmost-first alternation is then leftmost-longest
@@ -175,7 +175,7 @@ class PieceEncoder:
         self._first_chars = frozenset(literal[0] for literal in literals)
         self.max_tokens = max_tokens
         self.max_prefix_tokens = PREFIX_FACTOR * max_tokens
-        self._pieces: OrderedDict[str, list[int]] = OrderedDict()
+        self._pieces: OrderedDict[str, tuple[int, ...]] = OrderedDict()
         self._num_tokens = 0  # == sum of len(ids) over self._pieces
         self._prefixes: OrderedDict[tuple[int, str], _Prefix] = OrderedDict()
         self._num_prefix_tokens = 0  # == sum of len(prefix.ids) over self._prefixes
@@ -190,15 +190,12 @@ class PieceEncoder:
                 ids: list[int] = []
                 start = 0
             else:
-                ids = prefix.ids.copy()
+                ids = list(prefix.ids)
                 start = len(prefix.text)
                 self._prefix_hits += 1
             last_cut, num_last = self._add_pieces(text, start, ids)
-            if prefix is not None and last_cut > start:  # grown: this text's prefix, in place
-                prefix.ids += ids[len(prefix.ids) : len(ids) - num_last]
-                prefix.text = text[:last_cut]
-            elif prefix is None and last_cut > 0:
-                prefix = _Prefix(text[:last_cut], ids[: len(ids) - num_last])
+            if last_cut > start:  # a cut past the prefix it started from: its own prefix
+                prefix = _Prefix(text[:last_cut], tuple(ids[: len(ids) - num_last]))
             if prefix is not None:
                 self._keep_prefix(prefix)
         return ids
@@ -270,11 +267,13 @@ class PieceEncoder:
         self._encoded_chars += encoded_chars
         return last_cut, num_last
 
-    def _miss(self, piece: str) -> list[int]:
+    def _miss(self, piece: str) -> tuple[int, ...]:
         """Encode a piece the cache lacks, and keep it (unless empty or over the bound)."""
-        ids: list[int] = self._encode(piece, add_special_tokens=False).ids
-        with contextlib.suppress(IndexError):  # an id past the vocabulary keeps its object
-            ids = list(map(self._canonical.__getitem__, ids))
+        encoded: list[int] = self._encode(piece, add_special_tokens=False).ids
+        try:
+            ids = tuple(map(self._canonical.__getitem__, encoded))
+        except IndexError:  # an id past the vocabulary keeps its object
+            ids = tuple(encoded)
         if ids and len(ids) <= self.max_tokens:  # an empty piece would cost nothing, forever
             self._pieces[piece] = ids
             self._num_tokens += len(ids)
