@@ -161,6 +161,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"most sequences running at once (default: {defaults.max_batch_size})",
     )
     timing.add_argument(
+        "--slow-workers",
+        type=int,
+        default=defaults.slow_workers,
+        metavar="N",
+        help="a mixed fleet: the last N workers are --slow-factor times slower (default: 0)",
+    )
+    timing.add_argument(
+        "--slow-factor",
+        type=_positive_float,
+        default=defaults.slow_factor,
+        help=f"how much slower each part of a slow worker's step is "
+        f"(default: {defaults.slow_factor:g})",
+    )
+    timing.add_argument(
         "--partial-reuse",
         action="store_true",
         help="reuse partially matching blocks, as kvmesh worker does by default "
@@ -238,6 +252,8 @@ def _config(args: argparse.Namespace) -> ClusterConfig:
         share=not args.no_share,
         event_delay_s=args.event_delay_ms / 1e3,
         no_events=args.no_events,
+        slow_workers=args.slow_workers,
+        slow_factor=args.slow_factor,
         approx_ttl_s=args.approx_ttl_s,
     )
 

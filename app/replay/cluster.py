@@ -174,7 +174,7 @@ class _Worker:
         self.worker_id = worker_id
         self.mgr = mgr
         self.config = config
-        self.timing = config.timing
+        self.timing = config.worker_timing(index)
         self.waiting: deque[_Job] = deque()
         self.running: list[_Job] = []
         self.step: _Step | None = None

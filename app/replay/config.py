@@ -49,6 +49,10 @@ class ClusterConfig:
     event_delay_s: float = 0.0
     no_events: bool = False
     approx_ttl_s: float = 600.0  # no_events: how long a router assumes what it sent is held
+    # A mixed fleet: the last slow_workers workers take slow_factor times as long for each
+    # part of a step (an older GPU, a bigger model shard); the others run at ``timing``.
+    slow_workers: int = 0
+    slow_factor: float = 2.0
 
     def __post_init__(self) -> None:
         for name in ("num_workers", "blocks_per_worker", "tokens_per_block", "max_batch_size"):
@@ -65,18 +69,39 @@ class ClusterConfig:
             raise ValueError(f"routers: must be >= 1, got {self.routers}")
         if not (math.isfinite(self.event_delay_s) and self.event_delay_s >= 0):
             raise ValueError(f"event_delay_s: must be >= 0, got {self.event_delay_s}")
+        if not 0 <= self.slow_workers <= self.num_workers:
+            raise ValueError(
+                f"slow_workers: must be within 0..{self.num_workers}, got {self.slow_workers}"
+            )
+        if not (math.isfinite(self.slow_factor) and self.slow_factor > 0):
+            raise ValueError(f"slow_factor: must be a positive number, got {self.slow_factor}")
+
+    def worker_timing(self, index: int) -> SimTiming:
+        """Worker ``index``'s speed: ``timing``, or ``slow_factor`` times it for the last
+        ``slow_workers``."""
+        if index < self.num_workers - self.slow_workers:
+            return self.timing
+        t, f = self.timing, self.slow_factor
+        return SimTiming(
+            t.step_overhead_s * f, t.prefill_s_per_token * f, t.decode_s_per_sequence * f
+        )
 
     def pooled(self) -> ClusterConfig:
-        """One worker with every worker's blocks and compute (see the module docstring)."""
+        """One worker with every worker's blocks and compute (see the module docstring): the
+        workers' speeds add up (a slow worker adds 1 / slow_factor of a fast one)."""
         n = self.num_workers
+        fast = n - self.slow_workers + self.slow_workers / self.slow_factor  # in fast workers
         t = self.timing
         return replace(
             self,
             num_workers=1,
             blocks_per_worker=self.blocks_per_worker * n,
             timing=SimTiming(
-                t.step_overhead_s / n, t.prefill_s_per_token / n, t.decode_s_per_sequence / n
+                t.step_overhead_s / fast,
+                t.prefill_s_per_token / fast,
+                t.decode_s_per_sequence / fast,
             ),
+            slow_workers=0,
             max_batch_size=self.max_batch_size * n,
             max_tokens_per_step=self.max_tokens_per_step * n,
         )

@@ -566,3 +566,29 @@ def test_the_ttft_floor_is_each_request_alone_on_an_idle_worker() -> None:
     figures = summarise(result)
     assert figures["ttft_floor_p50_s"] == pytest.approx(0.06)
     assert figures["ttft_floor_p99_s"] == pytest.approx(np.percentile(expected, 99))
+
+
+def test_slow_workers_take_slow_factor_times_as_long(tokens: TokenSource) -> None:
+    """``--slow-workers 1 --slow-factor 3``: the same cold request takes three times as long to
+    its first token on the slow worker (round robin sends the second there); pooled adds the
+    workers' speeds (1 + 1/3 of a fast worker)."""
+    timing = SimTiming(step_overhead_s=0.01, prefill_s_per_token=1e-4, decode_s_per_sequence=1e-3)
+    config = ClusterConfig(num_workers=2, timing=timing, slow_workers=1, slow_factor=3.0)
+    assert config.worker_timing(0) == timing
+    slow = config.worker_timing(1)
+    assert (slow.step_overhead_s, slow.prefill_s_per_token, slow.decode_s_per_sequence) == (
+        pytest.approx(0.03),
+        pytest.approx(3e-4),
+        pytest.approx(3e-3),
+    )
+    pooled = config.pooled().timing
+    assert pooled.prefill_s_per_token == pytest.approx(1e-4 / (1 + 1 / 3))
+    trace = [
+        TraceRequest(i, i * 60_000, 1_000, 2, tuple(range(10 * i, 10 * i + 2))) for i in range(2)
+    ]
+    records = run_policy(trace, "round_robin", config, tokens).requests
+    assert [r.worker for r in records] == [0, 1]
+    ttft = [r.first_token_s - r.arrival_s for r in records]
+    assert ttft == pytest.approx([0.01 + 0.1, 3 * (0.01 + 0.1)])
+    with pytest.raises(ValueError, match=r"slow_workers: must be within 0\.\.2, got 3"):
+        ClusterConfig(num_workers=2, slow_workers=3)

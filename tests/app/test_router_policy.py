@@ -325,14 +325,22 @@ def test_kv_aware_keeps_a_hot_prefix_on_a_busy_worker_until_its_queue_outweighs_
     assert kv_aware(req(4_096), [busy, fast("b")], Weights(load=1.0), PolicyState()).worker == "b"
 
 
-def test_kv_aware_costs_a_slower_worker_more_for_the_same_tokens() -> None:
-    slow = fast("a", prefill_s=200e-6, matched_blocks=64)  # 1,024 cached, twice as slow
+def test_kv_aware_charges_a_slower_worker_its_slowness_as_wait() -> None:
+    # a is twice as slow: its own tokens are still 3,072 of work (a token recomputed is a token
+    # recomputed), but they take 6,144 tokens' time at the fastest speed (b's), so it waits
+    # 3,072 + 100 (one step) tokens beyond them, at the load weight.
+    slow = fast("a", prefill_s=200e-6, matched_blocks=64)  # 1,024 cached
     decision = kv_aware(req(4_096), [slow, fast("b")], Weights(), PolicyState())
-    # In tokens at the fastest speed (b's): a's 3,072 own tokens take 6,144 of them.
-    assert decision.cost_of("a").cost == pytest.approx(6_144.0 + 10.0)
-    assert decision.cost_of("a").ttft_s == pytest.approx(3_072 * 200e-6 + 0.01)
-    assert decision.cost_of("b").cost == pytest.approx(4_096.0 + 10.0)
-    assert decision.worker == "b"
+    a, b = decision.costs
+    assert a.ttft_s == pytest.approx(3_072 * 200e-6 + 0.01)
+    assert a.load == pytest.approx(0.1 * (6_144 + 100 - 3_072))
+    assert a.cost == pytest.approx(3_072 + 317.2)
+    assert b.cost == pytest.approx(4_096.0 + 10.0)
+    assert decision.worker == "a"  # its cache outweighs its slowness
+    cold = fast("a", prefill_s=200e-6)
+    decision = kv_aware(req(4_096), [cold, fast("b")], Weights(), PolicyState())
+    assert decision.cost_of("a").cost == pytest.approx(4_096 + 0.1 * (8_192 + 100 - 4_096))
+    assert decision.worker == "b"  # cold on both: the fast one
 
 
 def test_kv_aware_costs_a_worker_without_a_speed_in_tokens_at_the_fastest_one() -> None:

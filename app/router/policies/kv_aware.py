@@ -1,26 +1,29 @@
-"""``kv_aware`` (the default): the time to the request's first token, weighed against the work
-its cache misses cause.
+"""``kv_aware`` (the default): the work the request's cache misses cause, plus the time it waits
+for its first token, weighed.
 
-Per worker, in seconds, from the speed the worker reports (``Candidate.step_s``, ``prefill_s``,
+Per worker, from the speed the worker reports (``Candidate.step_s``, ``prefill_s``,
 ``decode_s``, ``step_tokens``: fitted to its own steps, ``app.core.step_speed``)::
 
-    own     = (uncached tokens + host_hit * tokens to onboard from the host tier) * prefill_s
-    steps   = ceil((queued prefill tokens + own tokens) / (step_tokens - decodes))
-    ahead   = queued prefill tokens * prefill_s + steps * (step_s + decodes * decode_s)
-    ttft    = own + ahead                     the predicted time to the first token
-    cost    = own + load * ahead              (+ 4 prompts when the worker cannot fit the request)
-                  - session * prompt          (the worker that served the request's session last)
+    own     = uncached tokens + host_hit * tokens to onboard from the host tier     (tokens)
+    steps   = ceil((queued prefill tokens + own) / (step_tokens - running))
+    ttft    = (queued prefill tokens + own) * prefill_s + steps * (step_s + running * decode_s)
+    wait    = ttft / reference prefill_s - own     the time beyond its own tokens at the fastest
+                                                   speed: the queue, the steps, a slow worker
+    cost    = own + load * wait                    (+ 4 prompts when the worker cannot fit it)
+                  - session * prompt               (the worker that served the session last)
 
-``decodes`` is the worker's running sequences (each takes a token of every step's budget and
-``decode_s`` of its time). ``load`` (0.1) is the trade-off between this request's wait and the
-work its misses cause: every token it recomputes is a token that the requests queued behind it
-on that worker wait for, and a second copy of a prefix competes for cache space, which a
-greedy TTFT estimate (``load`` 1) sees none of; ``docs/routing.md`` has the measurements.
+``running`` sequences each take a token of every step's budget and ``decode_s`` of its time.
+``load`` (0.1) is the trade-off between this request's wait and the work its misses cause:
+every token it recomputes is a token that the requests queued behind it on that worker wait
+for, and a second copy of a prefix competes for cache space, which a greedy TTFT estimate
+(``load`` 1: the earliest predicted first token) sees none of. ``own`` is in tokens whatever
+the worker's speed (a token recomputed is a token of cache and compute used); a slow worker's
+slowness is wait, so that a mixed fleet's slow workers still take their share.
+``docs/routing.md`` has the measurements.
 
-Costs are reported in prefill tokens at the fastest reported speed, so that they read as before
-and a slow worker's token costs more. A worker that reports no speed (an ingested engine, a
-``kvmesh register`` server, a worker before its first 32 steps) is costed in tokens as the
-fastest one, its running sequences ``decode`` prompt tokens each.
+Costs are in prompt tokens (at the fastest reported speed). A worker that reports no speed (an
+ingested engine, a ``kvmesh register`` server, a worker before its first 32 steps) waits
+``queued prefill tokens + decode * running`` tokens, as the fastest one would.
 
 The session term is soft: the session's worker keeps the request while the others' costs are
 not lower by more than ``session`` of a prompt (0.1 by default), so an agent's next call lands
@@ -82,7 +85,7 @@ def kv_aware(
     config: KvAwareConfig,
     state: PolicyState,
 ) -> Decision:
-    """The lowest of own prefill + ``load`` x the time ahead; see the module docstring."""
+    """The lowest of own prefill + ``load`` x the wait; see the module docstring."""
     require(candidates)
     # Locals and plain comparisons: this loop runs for every worker on every request.
     tpb = request.tokens_per_block
@@ -116,13 +119,13 @@ def kv_aware(
             own_s = own * prefill_s
             ahead_s = queued * prefill_s + steps * (c.step_s + decodes * c.decode_s)
             ttft = own_s + ahead_s
-            own_cost = own_s / reference
-            load = w_load * ahead_s / reference
+            # The wait beyond its own tokens at the fastest speed: the queue, the steps, and
+            # (on a slower worker) the slowness of its own prefill.
+            load = w_load * (ttft / reference - own)
         else:
             ttft = None
-            own_cost = own
             load = w_load * (queued + w_decode * c.running)
-        cost = own_cost + load
+        cost = own + load
         if c.free_blocks < need_blocks - c.matched_blocks:
             cost += penalty
         if c.session and affinity:
