@@ -43,6 +43,7 @@ BENCHMARKS: dict[str, str] = {
     "redis": "app.bench.redis_rtt:run",
     "worker": "app.bench.worker:run",
     "router": "app.bench.router:run",
+    "proxy": "app.bench.proxy:run",
     "faults": "app.bench.faults:run",
     "ingest": "app.bench.ingest:run",
 }
@@ -79,6 +80,11 @@ BENCHMARK_HELP: dict[str, tuple[str, str]] = {
         "routing decisions, in process and through a real kvmesh router over HTTP",
         "1,000 events, 200 requests, 200 requests/s for 1 s instead of 20,000, 2,000, 1,000/s "
         "for 10 s",
+    ),
+    "proxy": (
+        "what a kvmesh router adds to a proxied, non-streamed completion against calling the "
+        "worker directly: latency and router CPU per request",
+        "2 rounds of 10 requests each way instead of 10 of 100",
     ),
     "faults": (
         "kvmesh under faults and load, with real processes (docs/reliability.md)",
