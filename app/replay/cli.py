@@ -175,6 +175,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"(default: {defaults.slow_factor:g})",
     )
     timing.add_argument(
+        "--no-speed-reports",
+        action="store_true",
+        help="the workers report no speed with their load, so kv_aware uses its token cost, "
+        "as for an engine behind kvmesh ingest (default: they report the speed they fit)",
+    )
+    timing.add_argument(
         "--partial-reuse",
         action="store_true",
         help="reuse partially matching blocks, as kvmesh worker does by default "
@@ -254,6 +260,7 @@ def _config(args: argparse.Namespace) -> ClusterConfig:
         no_events=args.no_events,
         slow_workers=args.slow_workers,
         slow_factor=args.slow_factor,
+        speed_reports=not args.no_speed_reports,
         approx_ttl_s=args.approx_ttl_s,
     )
 

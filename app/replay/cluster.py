@@ -185,6 +185,8 @@ class _Worker:
         self.speed_fields: dict[str, int] = {}
 
     def observe(self, step: _Step) -> None:
+        if not self.config.speed_reports:
+            return
         before = self.speed.steps
         self.speed.observe(step.duration_s, step.prefill_tokens, len(step.decodes), step.num_steps)
         if before // MIN_STEPS != self.speed.steps // MIN_STEPS:

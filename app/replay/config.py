@@ -53,6 +53,7 @@ class ClusterConfig:
     # part of a step (an older GPU, a bigger model shard); the others run at ``timing``.
     slow_workers: int = 0
     slow_factor: float = 2.0
+    speed_reports: bool = True  # off: the workers report no speed (kv_aware's token cost)
 
     def __post_init__(self) -> None:
         for name in ("num_workers", "blocks_per_worker", "tokens_per_block", "max_batch_size"):

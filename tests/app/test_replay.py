@@ -8,6 +8,7 @@ import math
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -30,6 +31,7 @@ from app.replay.report import (
     summarise,
     ttft_floor,
 )
+from app.replay.routers import CoreRouter
 from app.replay.trace import (
     TRACE_BLOCK_TOKENS,
     TokenSource,
@@ -592,3 +594,27 @@ def test_slow_workers_take_slow_factor_times_as_long(tokens: TokenSource) -> Non
     assert ttft == pytest.approx([0.01 + 0.1, 3 * (0.01 + 0.1)])
     with pytest.raises(ValueError, match=r"slow_workers: must be within 0\.\.2, got 3"):
         ClusterConfig(num_workers=2, slow_workers=3)
+
+
+def test_replay_workers_report_the_speed_they_fit_unless_told_not_to(
+    trace: list[TraceRequest], tokens: TokenSource, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The routers see each worker's fitted speed in its load (exactly the simulated one: the
+    steps follow the linear model), or none with ``speed_reports`` off."""
+    cores: list[CoreRouter] = []
+    init = CoreRouter.__init__
+
+    def keep(self: CoreRouter, cluster: Any, policy: str) -> None:
+        init(self, cluster, policy)
+        cores.append(self)
+
+    monkeypatch.setattr(CoreRouter, "__init__", keep)
+    config = ClusterConfig(num_workers=2, blocks_per_worker=4_000, speed=8.0)
+    run_policy(trace[:60], "kv_aware", config, tokens)
+    run_policy(trace[:60], "kv_aware", replace(config, speed_reports=False), tokens)
+    reported, silent = ([v.load for v in c.core.workers.values()] for c in cores)
+    for load in reported:
+        assert load["step_overhead_us"] == pytest.approx(10_000, rel=1e-3)
+        assert load["prefill_ns_per_token"] == pytest.approx(100_000, rel=1e-3)
+        assert load["max_tokens_per_step"] == 8_192
+    assert all("prefill_ns_per_token" not in load for load in silent)
