@@ -1,9 +1,11 @@
 """Forwarding a completion to the chosen worker: the FastAPI routes' and the fast path's.
 
-A worker that fails before answering (connection refused or reset, a timeout on connecting, or
-a 502/503/504) is tried once more on the next best worker; if that fails too the client gets a
-502 naming both. A worker's own answer (a 4xx about the request, say) is passed through as it
-came, with the worker's id in ``x-kvmesh-worker``.
+The hop goes through ``runtime.upstream`` (``app.router.upstream``: keep-alive HTTP/1.1 on
+asyncio streams, httpx for other schemes than ``http``). A worker that fails before answering
+(connection refused or reset, a timeout on connecting, or a 502/503/504) is tried once more on
+the next best worker; if that fails too the client gets a 502 naming both. A worker's own
+answer (a 4xx about the request, say) is passed through as it came, with the worker's id in
+``x-kvmesh-worker``.
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-import httpx
 import orjson
 from fastapi.responses import Response, StreamingResponse
 
@@ -23,11 +24,11 @@ from app.router import schemas
 from app.router.core import NoWorkerError
 from app.router.decisions import Prompt, decide
 from app.router.runtime import RouterRuntime
+from app.router.upstream import UPSTREAM_ERRORS, UpstreamResponse
 
 __all__ = ["no_worker_response", "proxy", "request_id_of"]
 
 _RETRY_STATUSES = frozenset((502, 503, 504))
-_JSON_HEADERS = {"content-type": "application/json"}
 
 # What a worker is sent, by whether it is an engine behind ``kvmesh ingest`` (``foreign``).
 Payload = Callable[[bool], bytes]
@@ -77,13 +78,8 @@ async def proxy(
         url = f"{view.url}{path}"
         core.begin(request_id, decision, hashes, prompt.num_tokens, prompt.session)
         try:
-            upstream = await runtime.http.send(
-                runtime.http.build_request(
-                    "POST", url, content=payload(view.foreign), headers=_JSON_HEADERS
-                ),
-                stream=True,
-            )
-        except httpx.HTTPError as exc:
+            upstream = await runtime.upstream.post(url, payload(view.foreign))
+        except UPSTREAM_ERRORS as exc:
             core.finish(request_id)
             core.unpredict(worker, hashes)  # it never got the request
             failures.append(f"{worker}: {type(exc).__name__}")
@@ -106,7 +102,7 @@ async def proxy(
             )
         try:
             data = await upstream.aread()
-        except httpx.HTTPError as exc:
+        except UPSTREAM_ERRORS as exc:
             failures.append(f"{worker}: {type(exc).__name__} while reading")
             return error(502, f"worker {worker} failed mid-response", "upstream_error")
         finally:
@@ -128,7 +124,7 @@ async def proxy(
 
 
 async def _relay(
-    runtime: RouterRuntime, request_id: str, upstream: httpx.Response
+    runtime: RouterRuntime, request_id: str, upstream: UpstreamResponse
 ) -> AsyncIterator[bytes]:
     """Pass a worker's stream through chunk by chunk; the first chunk ends the prefill."""
     core = runtime.core
@@ -138,7 +134,7 @@ async def _relay(
         async for chunk in upstream.aiter_raw():
             core.prefilled(request_id)
             yield chunk
-    except httpx.HTTPError:
+    except UPSTREAM_ERRORS:
         status = "502"
         yield _sse(error_body("the worker failed mid-stream", "upstream_error"))
     finally:

@@ -34,6 +34,7 @@ from app.router.metrics import RouterMetrics
 from app.router.policies import Decision
 from app.router.settings import RouterSettings
 from app.router.share import DecisionShare, default_router_id
+from app.router.upstream import HttpxUpstream, Upstream, WorkerClient
 from events.consumer import EventConsumer
 from events.index import PrefixIndex
 from events.redis_io import REDIS_ERRORS, redis_client
@@ -79,6 +80,12 @@ class RouterRuntime:
             timeout=httpx.Timeout(settings.proxy_timeout_s, connect=settings.connect_timeout_s),
             limits=httpx.Limits(max_connections=1_024, max_keepalive_connections=256),
         )
+        # The proxy's hop to the workers (``self.http`` for other schemes than http).
+        self.upstream: Upstream = WorkerClient(
+            connect_timeout_s=settings.connect_timeout_s,
+            read_timeout_s=settings.proxy_timeout_s,
+            fallback=HttpxUpstream(self.http),
+        )
         self.share: DecisionShare | None = None  # --share-decisions: the other routers' flights
         self.tokenizers: dict[str, ModelTokenizer] = {}  # --model NAME=DIR
         self.default_tokenizer: ModelTokenizer | None = None  # --tokenizer
@@ -116,6 +123,7 @@ class RouterRuntime:
             await self.share.aclose()
             await self.share.redis.aclose()
         await self.view.aclose()
+        await self.upstream.aclose()
         await self.http.aclose()
 
     # What readers of the runtime reach most (the view's own).

@@ -30,6 +30,7 @@ from hypothesis import strategies as st
 
 from app.core.embedded_redis import EmbeddedRedis
 from app.router.runtime import RouterRuntime
+from app.router.upstream import HttpxUpstream
 from app.services import router_app
 from app.worker.app import create_app as worker_app
 from tests.app.router_support import router_settings
@@ -97,6 +98,7 @@ def cluster() -> Iterator[Cluster]:
         runtime: RouterRuntime = router.state.runtime
         await runtime.http.aclose()
         runtime.http = httpx.AsyncClient(transport=Dispatch(apps), timeout=REQUEST_TIMEOUT_S)
+        runtime.upstream = HttpxUpstream(runtime.http)
         client = await stack.enter_async_context(
             httpx.AsyncClient(transport=httpx.ASGITransport(app=router), base_url="http://router")
         )

@@ -1,0 +1,365 @@
+"""The router's HTTP client for the hop to a worker: keep-alive HTTP/1.1 on asyncio streams.
+
+httpx cost the router about 700 µs of CPU per proxied completion on a 2-core VM (its
+connection pool, anyio, h11, the request and response models), more than the rest of the
+router's work on that request. ``WorkerClient`` does only what the proxy needs: a POST of JSON
+bytes written in one write, the status line and headers, then the body by Content-Length or
+chunked transfer coding, read whole (``aread``) or as it comes (``aiter_raw``). Connections are
+kept per ``host:port`` and reused, newest first; one the worker has closed, or idle longer
+than ``keep_alive_s``, is dropped, not reused; a kept-alive connection that the worker closes
+as the request goes out is replaced by a new one and the request sent once more (the worker
+never read it). A URL whose scheme is not ``http`` (``https://``) goes to ``fallback``, an httpx
+client.
+
+Exceptions (httpx's names, so that the 502s say what they said before)::
+
+    UpstreamError
+    ├── ConnectError        the worker refused or could not be reached
+    ├── ConnectTimeout      no connection within ``connect_timeout_s``
+    ├── ReadTimeout         no answer (or no next part of it) within ``read_timeout_s``
+    ├── ReadError           the connection failed while reading or writing
+    └── RemoteProtocolError the worker closed without an answer, or answered something else
+
+The proxy treats these and ``httpx.HTTPError`` alike (``UPSTREAM_ERRORS``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Awaitable, Mapping
+from typing import Protocol
+from urllib.parse import urlsplit
+
+import httpx
+
+__all__ = [
+    "KEEP_ALIVE_S",
+    "UPSTREAM_ERRORS",
+    "ConnectError",
+    "ConnectTimeout",
+    "HttpxUpstream",
+    "ReadError",
+    "ReadTimeout",
+    "RemoteProtocolError",
+    "Upstream",
+    "UpstreamError",
+    "UpstreamResponse",
+    "WorkerClient",
+]
+
+# Idle connections are dropped after this long: well inside the services' own 75 s
+# (``app.core.http.uvicorn_config``), so that the worker seldom closes one as it is reused.
+KEEP_ALIVE_S = 30.0
+_MAX_HEAD_BYTES = 64 * 1024
+_READ_BYTES = 64 * 1024
+
+
+class UpstreamError(Exception):
+    """The hop to a worker failed (see the module docstring)."""
+
+
+class ConnectError(UpstreamError):
+    pass
+
+
+class ConnectTimeout(UpstreamError):
+    pass
+
+
+class ReadTimeout(UpstreamError):
+    pass
+
+
+class ReadError(UpstreamError):
+    pass
+
+
+class RemoteProtocolError(UpstreamError):
+    pass
+
+
+UPSTREAM_ERRORS = (UpstreamError, httpx.HTTPError)
+
+
+class UpstreamResponse(Protocol):
+    """What the proxy reads of a worker's answer (an ``httpx.Response`` is one)."""
+
+    @property
+    def status_code(self) -> int: ...
+
+    @property
+    def headers(self) -> Mapping[str, str]: ...
+
+    async def aread(self) -> bytes: ...
+
+    def aiter_raw(self) -> AsyncIterator[bytes]: ...
+
+    async def aclose(self) -> None: ...
+
+
+class Upstream(Protocol):
+    """Sends a POST of JSON bytes to a worker; the answer's head is in when it returns."""
+
+    async def post(self, url: str, body: bytes) -> UpstreamResponse: ...
+
+    async def aclose(self) -> None: ...
+
+
+class HttpxUpstream:
+    """``Upstream`` over an httpx client (which stays the caller's to close)."""
+
+    def __init__(self, client: httpx.AsyncClient) -> None:
+        self.client = client
+        self._json = {"content-type": "application/json"}
+
+    async def post(self, url: str, body: bytes) -> UpstreamResponse:
+        request = self.client.build_request("POST", url, content=body, headers=self._json)
+        return await self.client.send(request, stream=True)
+
+    async def aclose(self) -> None:
+        return None
+
+
+class _Connection:
+    __slots__ = ("idle_since", "reader", "writer")
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader = reader
+        self.writer = writer
+        self.idle_since = 0.0
+
+    def usable(self) -> bool:
+        return not self.writer.is_closing() and not self.reader.at_eof()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class _Response:
+    """A worker's answer, its head read; the body is read once (``aread`` or ``aiter_raw``),
+    after which the connection goes back to the pool if the worker keeps it open."""
+
+    def __init__(
+        self,
+        client: WorkerClient,
+        key: tuple[str, int],
+        connection: _Connection,
+        version: str,
+        status_code: int,
+        headers: dict[str, str],
+    ) -> None:
+        self._client = client
+        self._key = key
+        self._connection: _Connection | None = connection
+        self.status_code = status_code
+        self.headers = headers
+        self._chunked = headers.get("transfer-encoding", "").lower() == "chunked"
+        length = headers.get("content-length")
+        self._length = int(length) if length is not None and length.isdigit() else None
+        # HTTP/1.1 keeps the connection unless told otherwise; HTTP/1.0 closes it unless told.
+        keep = headers.get("connection", "").lower()
+        keep_alive = keep == "keep-alive" if version == "HTTP/1.0" else keep != "close"
+        self._reusable = keep_alive and (self._chunked or self._length is not None)
+
+    async def aread(self) -> bytes:
+        return b"".join([chunk async for chunk in self.aiter_raw()])
+
+    async def aiter_raw(self) -> AsyncIterator[bytes]:
+        connection = self._connection
+        if connection is None:
+            raise RemoteProtocolError("the answer was already read or closed")
+        try:
+            async for data in self._body(connection.reader):
+                yield data
+        except BaseException:  # a failure, or the reader stopped early: the rest is unread
+            self._connection = None
+            connection.close()
+            raise
+        self._connection = None
+        if self._reusable:
+            self._client.release(self._key, connection)
+        else:
+            connection.close()
+
+    async def _body(self, reader: asyncio.StreamReader) -> AsyncIterator[bytes]:
+        read = self._client.read
+        if self._chunked:
+            while True:
+                line = await read(reader.readuntil(b"\r\n"))
+                try:
+                    size = int(line.split(b";", 1)[0].strip(), 16)
+                except ValueError:
+                    raise RemoteProtocolError(f"bad chunk size {line[:40]!r}") from None
+                if size == 0:
+                    while await read(reader.readuntil(b"\r\n")) != b"\r\n":  # trailers
+                        pass
+                    return
+                data = await read(reader.readexactly(size + 2))
+                yield data[:-2]
+        elif self._length is not None:
+            left = self._length
+            while left > 0:
+                data = await read(reader.read(min(left, _READ_BYTES)))
+                if not data:
+                    raise RemoteProtocolError("the worker closed in the middle of its answer")
+                left -= len(data)
+                yield data
+        else:  # until the worker closes
+            while data := await read(reader.read(_READ_BYTES)):
+                yield data
+
+    async def aclose(self) -> None:
+        """Drops the connection unless its answer was read to the end."""
+        connection, self._connection = self._connection, None
+        if connection is not None:
+            connection.close()
+
+
+class WorkerClient:
+    """``Upstream`` with keep-alive connections per worker (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        connect_timeout_s: float,
+        read_timeout_s: float,
+        fallback: Upstream,
+        max_idle_per_worker: int = 64,
+        keep_alive_s: float = KEEP_ALIVE_S,
+    ) -> None:
+        self.connect_timeout_s = connect_timeout_s
+        self.read_timeout_s = read_timeout_s
+        self.fallback = fallback
+        self.max_idle_per_worker = max_idle_per_worker
+        self.keep_alive_s = keep_alive_s
+        self._idle: dict[tuple[str, int], list[_Connection]] = {}
+        self._addresses: dict[str, tuple[str, int, bytes] | None] = {}  # URL -> host, port, path
+        self._closed = False
+
+    async def post(self, url: str, body: bytes) -> UpstreamResponse:
+        if url in self._addresses:
+            address = self._addresses[url]
+        else:
+            address = self._addresses[url] = _address(url)
+        if address is None:
+            return await self.fallback.post(url, body)
+        host, port, path = address
+        key = (host, port)
+        request = (
+            b"POST %s HTTP/1.1\r\nhost: %s:%d\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n\r\n" % (path, host.encode(), port, len(body))
+        ) + body
+        connection, reused = await self._connection(key)
+        try:
+            return await self._exchange(key, connection, request)
+        except (RemoteProtocolError, ReadError):
+            if not reused:
+                raise
+        # The worker closed a kept-alive connection as the request went out (its idle timeout):
+        # once more on a new connection, as it never read the request.
+        connection, _ = await self._connection(key, new=True)
+        return await self._exchange(key, connection, request)
+
+    async def _exchange(
+        self, key: tuple[str, int], connection: _Connection, request: bytes
+    ) -> _Response:
+        try:
+            connection.writer.write(request)
+            version, status, headers = await self._read_head(connection.reader)
+        except BaseException:
+            connection.close()
+            raise
+        return _Response(self, key, connection, version, status, headers)
+
+    async def read(self, pending: Awaitable[bytes]) -> bytes:
+        """``await pending`` (a stream read) within the read timeout, its errors ours."""
+        try:
+            async with asyncio.timeout(self.read_timeout_s):
+                data = await pending
+        except TimeoutError:
+            raise ReadTimeout(f"no answer within {self.read_timeout_s} s") from None
+        except asyncio.IncompleteReadError:
+            raise RemoteProtocolError("the worker closed in the middle of its answer") from None
+        except asyncio.LimitOverrunError:
+            raise RemoteProtocolError("a line of the answer is too long") from None
+        except OSError as exc:
+            raise ReadError(str(exc) or type(exc).__name__) from None
+        return data
+
+    async def _read_head(self, reader: asyncio.StreamReader) -> tuple[str, int, dict[str, str]]:
+        while True:
+            try:
+                head = await self.read(reader.readuntil(b"\r\n\r\n"))
+            except RemoteProtocolError:
+                raise RemoteProtocolError("the worker closed without an answer") from None
+            lines = head.decode("latin-1").split("\r\n")
+            version, _, rest = lines[0].partition(" ")
+            code = rest[:3]
+            if not version.startswith("HTTP/1.") or not code.isdigit():
+                raise RemoteProtocolError(f"not an HTTP/1.1 answer: {lines[0][:60]!r}")
+            if not 100 <= int(code) < 200:
+                break
+        headers: dict[str, str] = {}
+        for line in lines[1:]:
+            name, sep, value = line.partition(":")
+            if sep:
+                headers[name.strip().lower()] = value.strip()
+        return version, int(code), headers
+
+    async def _connection(
+        self, key: tuple[str, int], new: bool = False
+    ) -> tuple[_Connection, bool]:
+        """A kept-alive connection to ``key`` (and True), else a new one (and False)."""
+        if self._closed:
+            raise ConnectError("the client is closed")
+        idle = None if new else self._idle.get(key)
+        if idle:
+            oldest = time.monotonic() - self.keep_alive_s
+            while idle:
+                connection = idle.pop()
+                if connection.idle_since > oldest and connection.usable():
+                    return connection, True
+                connection.close()
+        try:
+            async with asyncio.timeout(self.connect_timeout_s):
+                reader, writer = await asyncio.open_connection(
+                    key[0], key[1], limit=_MAX_HEAD_BYTES
+                )
+        except TimeoutError:
+            raise ConnectTimeout(f"no connection within {self.connect_timeout_s} s") from None
+        except OSError as exc:
+            raise ConnectError(str(exc) or type(exc).__name__) from None
+        return _Connection(reader, writer), False
+
+    def release(self, key: tuple[str, int], connection: _Connection) -> None:
+        """A connection whose answer was read to the end, back to the pool."""
+        idle = self._idle.setdefault(key, [])
+        if self._closed or len(idle) >= self.max_idle_per_worker or not connection.usable():
+            connection.close()
+            return
+        connection.idle_since = time.monotonic()
+        idle.append(connection)
+
+    async def aclose(self) -> None:
+        self._closed = True
+        connections = [c for idle in self._idle.values() for c in idle]
+        self._idle.clear()
+        for connection in connections:
+            connection.close()
+        for connection in connections:
+            with contextlib.suppress(OSError):
+                await connection.writer.wait_closed()
+        await self.fallback.aclose()
+
+
+def _address(url: str) -> tuple[str, int, bytes] | None:
+    """(host, port, path) of an ``http://`` URL; None for another scheme (the fallback's)."""
+    parts = urlsplit(url)
+    if parts.scheme != "http" or not parts.hostname:
+        return None
+    path = parts.path or "/"
+    if parts.query:
+        path += "?" + parts.query
+    return parts.hostname, parts.port or 80, path.encode()
