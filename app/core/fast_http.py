@@ -12,6 +12,9 @@ included, so the two paths differ only in cost.
 Only the simple case is taken: HTTP/1.1 keep-alive, a Content-Length within
 ``app.state.fast_max_body_bytes``, no ``Expect`` or ``Transfer-Encoding``, and no earlier
 request on the connection still being answered (pipelining keeps uvicorn's order).
+
+The protocol runs on ``app.core.http_protocol``'s joining transport, so that every other answer
+(a proxied completion's head and body, say) also leaves in one write.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from typing import Any
 
 from fastapi import FastAPI
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from app.core.http_protocol import OneWriteHttpToolsProtocol
 
 __all__ = ["FastRoute", "fast_protocol"]
 
@@ -44,7 +49,7 @@ def fast_protocol(app: FastAPI) -> type[HttpToolsProtocol] | None:
     )
 
 
-class _FastProtocol(HttpToolsProtocol):
+class _FastProtocol(OneWriteHttpToolsProtocol):
     routes: dict[bytes, FastRoute]
     max_body_bytes: int
 
