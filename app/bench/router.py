@@ -41,11 +41,11 @@ unless it is a 200 naming one of the 16 workers.
 for the same prompt (the router sees the same index and loads, and ties are broken by a seed
 taken from the prompt, so anything below 1.0 means the two views differ).
 ``http_rate``: answers received / seconds from the first due time to the last answer.
-``router_cpu_s`` etc.: CPU seconds of each process over the timed part (Linux ``/proc``);
-``other_cpu_s``: what the rest of the machine used meanwhile, and ``load_average`` (1 minute)
-just before: the router is one single-threaded process, and the client, Redis and the
-publishers share the machine with it, so on a small or busy host the achieved rate and the
-tail latency measure the host as much as the router.
+``router_cpu_s`` etc.: CPU seconds of each process and its children over the timed part
+(``/proc``; ``KVMESH_PROCESSES=N`` runs N router replicas, ``router_processes``); ``other_cpu_s``:
+the rest of the machine meanwhile, ``load_average`` (1 minute) before: a router process is
+single-threaded, and the client, Redis and the publishers share the machine with it, so on a
+small or busy host the achieved rate and the tail latency measure the host as much as it.
 """
 
 from __future__ import annotations
@@ -75,7 +75,8 @@ import uvloop
 from app.bench.chat import measure_chat
 from app.bench.http_client import KeepAliveConnection
 from app.bench.index import NUM_WORKERS, SEED, TOKENS_PER_BLOCK, build_streaming, generate
-from app.bench.worker import _cpu_seconds, _machine_busy_seconds, kvmesh_process
+from app.bench.procfs import replicas, tree_cpu_seconds
+from app.bench.worker import _machine_busy_seconds, kvmesh_process
 from app.core.embedded_redis import EmbeddedRedis
 from app.core.net import free_port
 from app.router.core import RouterCore
@@ -364,6 +365,7 @@ class Outcome:
     router_cpu_s: float | None = None
     redis_cpu_s: float | None = None
     publishers_cpu_s: float | None = None
+    router_processes: int = 1  # those that serve: one, or the replicas under a parent
     machine_cpu_s: float | None = None
 
 
@@ -417,7 +419,7 @@ async def _drive(
 
         num_requests = round(rate * duration_s)
         tasks: list[asyncio.Task[None]] = []
-        before = {name: _cpu_seconds(pid) for name, pid in pids.items()}
+        before = {name: tree_cpu_seconds(pid) for name, pid in pids.items()}
         machine_cpu = _machine_busy_seconds()
         client_cpu = time.process_time()
         start = clock()
@@ -430,7 +432,8 @@ async def _drive(
         await asyncio.gather(*tasks)
         outcome.seconds = (last_answer if outcome.ok else clock()) - start
         outcome.client_cpu_s = time.process_time() - client_cpu
-        after = {name: _cpu_seconds(pid) for name, pid in pids.items()}
+        after = {name: tree_cpu_seconds(pid) for name, pid in pids.items()}
+        outcome.router_processes = replicas(pids["router"])
         machine_after = _machine_busy_seconds()
     spent = {name: _delta(after[name], before[name]) for name in pids}
     outcome.router_cpu_s = spent.get("router")
@@ -526,6 +529,7 @@ def measure_http(
         "router_workers": stats["workers"],
         "router_catch_up_s": round(catch_up_s, 2),
         "router_cpu_s": outcome.router_cpu_s,
+        "router_processes": outcome.router_processes,
         "router_cpu_us_per_request": (
             round(outcome.router_cpu_s / ok * 1e6, 1) if outcome.router_cpu_s and ok else None
         ),

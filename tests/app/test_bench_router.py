@@ -69,6 +69,7 @@ def test_quick_run_from_the_command_line() -> None:
     report = run_quick_bench("router", "--rate", "150")
     assert report.keys() >= KEYS
     assert report["workers"] == report["router_workers"] == NUM_WORKERS
+    assert report["router_processes"] == 1
     assert report["prompt_tokens"] == REQUEST_TOKENS
     # Nothing is evicted and no worker stores a block twice: one index entry per stored block.
     assert report["index_entries"] == report["stored_blocks"]

@@ -1,0 +1,72 @@
+"""CPU time of a process and all its descendants, from Linux ``/proc``, for the benchmarks.
+
+``kvmesh router --processes N`` is a parent that only holds the socket and N replicas that do
+the work (``app.core.replicas``): its CPU is its children's. ``tree_cpu_seconds`` sums user +
+system time over the process and every descendant alive when it is read (a child's time is in
+its parent's ``cutime`` only once it has exited and been waited for, so the live children are
+read one by one).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+__all__ = ["descendants", "replicas", "tree_cpu_seconds"]
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat[stat.rindex(")") + 2 :].split()
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid`` (children first), from ``/proc/PID/task/*/children``."""
+    found: list[int] = []
+    pending = [pid]
+    while pending:
+        parent = pending.pop()
+        try:
+            tasks = list(Path(f"/proc/{parent}/task").iterdir())
+        except OSError:
+            continue
+        for task in tasks:
+            try:
+                children = (task / "children").read_text().split()
+            except OSError:
+                continue
+            for child in map(int, children):
+                found.append(child)
+                pending.append(child)
+    return found
+
+
+def tree_cpu_seconds(pid: int | None) -> float | None:
+    """User + system CPU seconds of ``pid`` and its live descendants; None where ``pid`` is
+    None or unreadable."""
+    if pid is None:
+        return None
+    fields = _stat_fields(pid)
+    if fields is None:
+        return None
+    ticks = int(fields[11]) + int(fields[12])
+    for child in descendants(pid):
+        child_fields = _stat_fields(child)
+        if child_fields is not None:
+            ticks += int(child_fields[11]) + int(child_fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def replicas(pid: int | None) -> int:
+    """How many processes of ``pid``'s tree serve: its spawned replicas
+    (``multiprocessing``'s ``spawn_main``; its resource tracker does not count), else 1."""
+    count = 0
+    for child in descendants(pid) if pid is not None else []:
+        try:
+            count += b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes()
+        except OSError:
+            continue
+    return count or 1

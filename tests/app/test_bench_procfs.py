@@ -1,0 +1,70 @@
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from app.bench.procfs import descendants, replicas, tree_cpu_seconds
+
+# A parent that spawns two children (as `kvmesh router --processes 2` does), which each burn
+# 0.3 s of CPU and then wait to be killed.
+SCRIPT = """
+import multiprocessing, time
+
+def child():
+    end = time.process_time() + 0.3
+    while time.process_time() < end:
+        pass
+    print("burnt", flush=True)
+    time.sleep(60)
+
+if __name__ == "__main__":
+    context = multiprocessing.get_context("spawn")
+    children = [context.Process(target=child, daemon=True) for _ in range(2)]
+    for c in children:
+        c.start()
+    time.sleep(60)
+"""
+
+
+def _own_cpu_seconds(pid: int) -> float:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_a_parent_with_spawned_replicas(tmp_path: Path) -> None:
+    script = tmp_path / "parent.py"
+    script.write_text(SCRIPT)
+    proc = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, text=True, cwd=tmp_path
+    )
+    children: list[int] = []
+    try:
+        assert proc.stdout is not None
+        assert [proc.stdout.readline() for _ in range(2)] == ["burnt\n", "burnt\n"]
+        children = descendants(proc.pid)
+        assert replicas(proc.pid) == 2
+        # The two replicas, and the resource tracker where multiprocessing started one.
+        assert len(children) in (2, 3)
+        own = _own_cpu_seconds(proc.pid)
+        total = tree_cpu_seconds(proc.pid)
+        assert total is not None
+        assert total == pytest.approx(own + sum(_own_cpu_seconds(c) for c in children))
+        assert total >= own + 0.5  # both children's 0.3 s, in 10 ms ticks
+    finally:
+        for child in children:  # daemonic children outlive a killed parent
+            os.kill(child, signal.SIGKILL)
+        proc.kill()
+        proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+def test_no_process() -> None:
+    assert tree_cpu_seconds(None) is None
+    assert replicas(None) == 1
