@@ -230,7 +230,13 @@ def test_a_drain_through_the_router_is_reported_until_done_then_undone(
         )
 
         # A cordon in place of the drain: the worker still drains (its registry says so), and
-        # lifting the cordon asks it to admit again all the same.
+        # lifting the cordon asks it to admit again all the same. The router reads the registry
+        # once a second: on a loaded machine its entry may not have said so yet.
+        def registry_says_draining() -> bool:
+            entry = httpx.get(f"{base}/workers").json()["workers"][0]
+            return bool(entry["state"] == "draining")
+
+        wait_for(registry_says_draining)
         cordoned = httpx.post(f"{base}/workers/w0/cordon", headers=AUTH).json()
         assert (cordoned["state"], "worker_answer" in cordoned) == ("draining", False)
         back = httpx.post(f"{base}/workers/w0/uncordon", headers=AUTH)
