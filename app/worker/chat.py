@@ -16,6 +16,7 @@ from typing import Any
 import orjson
 
 from app.chat import ChatCompletionRequest, ChatTemplateError, ModelTokenizer
+from app.chat.detokenize import IncrementalText
 from app.core.errors import BadRequest
 from app.worker.completions import tokens_job, usage
 from app.worker.engine import Engine, Job
@@ -66,10 +67,16 @@ def _stops(body: ChatCompletionRequest) -> list[str]:
     return [s for s in ([stop] if isinstance(stop, str) else stop) if s]
 
 
-def _cut(text: str, stops: Sequence[str]) -> int | None:
-    """Where the first stop string starts in ``text``, or None."""
-    found = [i for i in (text.find(s) for s in stops) if i >= 0]
+def _cut(text: str, stops: Sequence[str], start: int = 0) -> int | None:
+    """Where the first stop string starts in ``text`` (at ``start`` or later), or None."""
+    found = [i for i in (text.find(s, start) for s in stops) if i >= 0]
     return min(found) if found else None
+
+
+def _rescan_from(text: str, stops: Sequence[str]) -> int:
+    """Where the next search of a longer ``text`` must start: a stop string that was not in
+    ``text`` may end in what is added, so it starts at most its length - 1 before the end."""
+    return max(len(text) - max((len(s) for s in stops), default=1) + 1, 0)
 
 
 def _text(tokenizer: ModelTokenizer | None, ids: Sequence[int]) -> str:
@@ -117,11 +124,15 @@ async def stop_watch(
     stops = _stops(body)
     if not stops or tokenizer is None:
         return
+    incremental = IncrementalText(tokenizer)
+    start = 0
     while not job.finished:
         job.updated.clear()
-        if _cut(tokenizer.decode(job.output), stops) is not None:
+        text = incremental.update(job.output)
+        if _cut(text, stops, start) is not None:
             engine.cancel(job.job_id)
             return
+        start = _rescan_from(text, stops)
         await job.updated.wait()
 
 
@@ -158,6 +169,9 @@ async def chat_stream(
     sent_text = ""
     finish: str | None = None
     role_sent = False
+    # Decoded as it comes: a window of ids per step, not the whole output (O(n) a token).
+    incremental = IncrementalText(tokenizer) if tokenizer is not None else None
+    start = 0  # where the next search for a stop string starts
     try:
         while finish is None:
             job.updated.clear()
@@ -167,8 +181,15 @@ async def chat_stream(
                 if not role_sent:
                     yield chunk({"role": "assistant", "content": ""}, None)
                     role_sent = True
-                text = _text(tokenizer, job.output)
-                cut = _cut(text, stops)
+                if incremental is None:
+                    text = ""
+                elif job.finished:
+                    incremental.update(job.output)
+                    text = incremental.final()
+                else:
+                    text = incremental.update(job.output)
+                cut = _cut(text, stops, start)
+                start = _rescan_from(text, stops)
                 if cut is not None:
                     text, finish = text[:cut], "stop"
                     engine.cancel(job.job_id)
