@@ -42,6 +42,7 @@ KEYS = {
     "router_cpu_s",
     "router_cpu_us_per_request",
     "router_idle_cpu_s",
+    "router_busy_cpu_us_per_request",
     "client_cpu_s",
     "redis_cpu_s",
     "other_cpu_s",
@@ -87,4 +88,6 @@ def test_quick_run_from_the_command_line() -> None:
     assert report["added_p99_ms"] == round(report["proxied_p99_ms"] - report["direct_p99_ms"], 3)
     assert report["router_cpu_s"] >= 0
     assert report["router_cpu_us_per_request"] == round(report["router_cpu_s"] / requests * 1e6, 1)
+    busy = report["router_busy_cpu_us_per_request"]
+    assert 0 <= busy <= report["router_cpu_us_per_request"]
     assert report["cpus"] >= 1
