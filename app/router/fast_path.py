@@ -6,7 +6,7 @@ parsing a 4,096-token prompt into Python ints, were half of the router's CPU. ``
 the outermost ASGI app the server runs (``app.state.asgi_front``, see ``app.core.http``); it
 takes a request only when it is a POST to one of these two paths with no query string, a JSON
 content type and a Content-Length within ``max_body_bytes``, and its body is plain
-(``app.router.token_json``: token ids, every field of the right type and in range). The checks
+(``app.core.token_json``: token ids, every field of the right type and in range). The checks
 are the schema's. Anything else (text prompts, ``routing``, ``stream``, ``?explain``, a field
 out of range, malformed JSON, a body not sent as JSON, a model not served) goes to the FastAPI
 route, which answers it, errors included, exactly as it would have; a test holds both paths to
@@ -29,12 +29,12 @@ from starlette.types import Message, Receive, Scope, Send
 
 from app.core.errors import ApiError
 from app.core.fast_http import FastRoute
+from app.core.token_json import TokenBody, parse_token_body
 from app.router import schemas
 from app.router.core import NoWorkerError
 from app.router.decisions import Prompt, decide, route_body
 from app.router.proxy import no_worker_response, proxy, request_id_of
 from app.router.runtime import RouterRuntime
-from app.router.token_json import TokenBody, parse_token_body
 
 __all__ = ["FastPath", "completion_answer", "fast_routes", "route_answer"]
 

@@ -1,4 +1,4 @@
-"""The fast path (``app.router.fast_path``, ``app.router.token_json``) against the FastAPI
+"""The fast path (``app.router.fast_path``, ``app.core.token_json``) against the FastAPI
 routes: the same status and body for good and bad input, and which bodies it takes at all."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import orjson
 import pytest
 
 from app.core.http import front_of
+from app.core.token_json import parse_token_body
 from app.router.fast_path import route_answer
-from app.router.token_json import parse_token_body
 from app.services import router_app
 from events.publisher import EventPublisher
 from events.redis_io import redis_client

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import orjson
 import pytest
 
 import app.worker.fast_path as fast_path
+from app.core.token_json import TokenInts
 from app.worker.app import create_app
 from app.worker.engine import Job
 from app.worker.runtime import WorkerRuntime
@@ -45,6 +47,12 @@ CASES: list[tuple[Any, str, str, bool]] = [
         True,
     ),
     ({"prompt": LONG, "max_tokens": 2}, "application/vnd.api+json; charset=utf-8", "", True),
+    # Odd whitespace (scanned); bodies the token scanner leaves to the full parse (answered too).
+    (b'{"max_tokens": 1, "prompt": [ 7 ,\n 8 ], "request_id": "i"}', "application/json", "", True),
+    ({"prompt_token_ids": [5], "prompt": [1, 2], "max_tokens": 1}, "application/json", "", True),
+    (b'{"prompt": [9], "prompt": [2, 3], "max_tokens": 1}', "application/json", "", True),
+    ({"meta": {"prompt": [9]}, "prompt": [4, 6], "max_tokens": 1}, "application/json", "", True),
+    (b'{"pr\\u006fmpt": [4, 5], "max_tokens": 1}', "application/json", "", True),
     # What the schema coerces or refuses goes to the route.
     ({"prompt": [1, 2.0], "max_tokens": 1, "request_id": "d"}, "application/json", "", False),
     ({"prompt": [1, "2"], "max_tokens": 1, "request_id": "e"}, "application/json", "", False),
@@ -58,6 +66,7 @@ CASES: list[tuple[Any, str, str, bool]] = [
         False,
     ),
     ({"prompt": [1, 2.5]}, "application/json", "", False),
+    (b'{"prompt": [1, 02]}', "application/json", "", False),
     ({"prompt": []}, "application/json", "", False),
     ({"prompt": [512]}, "application/json", "", False),
     ({"prompt": [3, -1]}, "application/json", "", False),
@@ -103,8 +112,8 @@ async def _answers(
     taken: list[bool] = []
     plain_job = fast_path.plain_job
 
-    def recording(runtime: WorkerRuntime, body: bytes) -> Job | None:
-        job = plain_job(runtime, body)
+    def recording(runtime: WorkerRuntime, body: bytes, ints: TokenInts) -> Job | None:
+        job = plain_job(runtime, body, ints)
         taken.append(job is not None)
         return job
 
@@ -146,12 +155,18 @@ async def test_the_fast_path_and_the_route_answer_alike(
     assert [taken for *_, taken in fast] == [fast for *_, fast in CASES]
     assert not any(taken for *_, taken in route)
     statuses = [status for status, *_ in fast]
-    assert statuses == [200] * 10 + [400] * (len(CASES) - 10)
+    assert statuses == [200] * 15 + [400] * (len(CASES) - 15)
     first, second, with_bools = (body for _, body, *_ in fast[:3])
     assert first["choices"][0]["token_ids"] == expected_output([1, 2, 3], 2)
     assert second["usage"]["prompt_tokens"] == 40
     assert with_bools["usage"]["prompt_tokens"] == 4
-    vocabulary = fast[12][1]["error"]
+    scanned, other_key, twice, nested, escaped = (body for _, body, *_ in fast[4:9])
+    assert scanned["choices"][0]["token_ids"] == expected_output([7, 8], 1)
+    assert other_key["choices"][0]["token_ids"] == expected_output([1, 2], 1)
+    assert twice["choices"][0]["token_ids"] == expected_output([2, 3], 1)
+    assert nested["choices"][0]["token_ids"] == expected_output([4, 6], 1)
+    assert escaped["choices"][0]["token_ids"] == expected_output([4, 5], 1)
+    vocabulary = fast[18][1]["error"]
     assert vocabulary == {
         "message": "prompt: token id 512 at index 0 is outside the vocabulary 0..511",
         "type": "invalid_request_error",
@@ -197,3 +212,16 @@ async def test_the_engine_refuses_alike_on_both_paths(
         },
         retry_after,
     )
+
+
+def test_a_plain_prompt_is_scanned_into_words_and_shared_ints() -> None:
+    ints = TokenInts(512)
+    parsed = fast_path._parsed(b'{"prompt": [3, 300, 511], "max_tokens": 2}', ints)
+    assert parsed is not None
+    fields, prompt, words = parsed
+    assert (fields, prompt) == ({"max_tokens": 2}, [3, 300, 511])
+    assert isinstance(words, np.ndarray) and words.dtype == np.uint32
+    assert prompt[1] is ints.list_of(np.array([300], dtype=np.uint32))[0]  # one shared object
+    # an id past the vocabulary, a bool: parsed in full (the route names the id; a bool is 1)
+    assert fast_path._parsed(b'{"prompt": [3, 512]}', ints)[1:2] == ([3, 512],)  # type: ignore[index]
+    assert fast_path._parsed(b'{"prompt": [3, true]}', ints)[1:2] == ([3, 1],)  # type: ignore[index]
