@@ -1,7 +1,9 @@
 """Plain-ASGI pieces for a service's fast path: a hot route answered below the framework, with
 anything it does not take handed to the FastAPI route unchanged.
 
-``json_content`` says whether FastAPI would parse a body as JSON; ``read_body`` reads one whole;
+``json_content`` says whether FastAPI would parse a body as JSON; ``plain_json`` whether a
+request in front of the framework's middleware may be taken (a JSON body whose Content-Length
+is within the body limit, neither streamed nor behind an ``Expect``); ``read_body`` reads one whole;
 ``replay`` gives that body to the app that answers instead, then the client's own ``receive``
 (so that the app still sees a later disconnect); ``send_json`` answers with a JSON body as
 Starlette's ``JSONResponse`` does (``content-length`` and ``content-type`` headers).
@@ -11,7 +13,7 @@ from __future__ import annotations
 
 from starlette.types import Message, Receive, Scope, Send
 
-__all__ = ["json_content", "read_body", "replay", "send_json"]
+__all__ = ["json_content", "plain_json", "read_body", "replay", "send_json"]
 
 
 def json_content(scope: Scope) -> bool:
@@ -24,6 +26,20 @@ def json_content(scope: Scope) -> bool:
                 kind.startswith(b"application/") and kind.endswith(b"+json")
             )
     return False
+
+
+def plain_json(scope: Scope, max_body_bytes: int) -> bool:
+    """Whether a request has a JSON body (``json_content``) and a Content-Length within
+    ``max_body_bytes``, and no ``Expect`` or ``Transfer-Encoding``: what a fast path in front
+    of the framework takes; any other is the framework's (``BodyLimit`` answers a body too
+    large, or a Content-Length that is not a number)."""
+    length = False
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            length = value.isdigit() and int(value) <= max_body_bytes
+        elif name == b"expect" or name == b"transfer-encoding":
+            return False
+    return length and json_content(scope)
 
 
 async def read_body(receive: Receive) -> bytes | None:

@@ -487,6 +487,6 @@ def install(app: FastAPI, settings: WorkerSettings, *, fast_path: bool = True) -
     _install_error_handlers(app)
     app.include_router(_inference_router())
     app.include_router(_admin_router(settings))
-    if fast_path:
-        app.add_middleware(CompletionFastPath)  # inside BodyLimit, which is added after it
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    if fast_path:  # in front of the framework's middleware: what a server runs (app.core.http)
+        app.state.asgi_front = CompletionFastPath(app, settings.max_body_bytes)

@@ -9,9 +9,11 @@ and in range (``max_tokens``, ``priority``, ``request_id``, ``lora_task_id``, ``
 ``model``; ``stream`` false; ``retention`` null), and any other keys (ignored, as the schema
 allows). Everything else goes to the FastAPI route, which answers it exactly as before: text
 prompts, streams, retention, values the schema would coerce (``"4"``, ``2.0``), anything it
-refuses, malformed JSON, a body not sent as JSON, a query string, and every request the
-checks of ``tokens_job`` refuse (400). The engine's refusals (429, 503, 409) are answered here,
-by the same mapping as the route's (``refusal``). The OpenAPI schema is the FastAPI route's.
+refuses, malformed JSON, a body not sent as JSON, a streamed body or one past the body limit
+(``BodyLimit``'s), a query string, and every request the checks of ``tokens_job`` refuse (400).
+The engine's refusals (429, 503, 409) are answered here, by the same mapping as the route's
+(``refusal``). The OpenAPI schema is the FastAPI route's. ``CompletionFastPath`` runs in front
+of the framework's middleware (it is the server's outermost app), whose layers it skips.
 """
 
 from __future__ import annotations
@@ -21,9 +23,10 @@ import time
 from typing import Any
 
 import orjson
-from starlette.types import ASGIApp, Receive, Scope, Send
+from fastapi import FastAPI
+from starlette.types import Receive, Scope, Send
 
-from app.core.asgi import json_content, read_body, replay, send_json
+from app.core.asgi import plain_json, read_body, replay, send_json
 from app.core.errors import BadRequest
 from app.core.middleware import error_body
 from app.core.token_json import TokenInts, parse_token_body
@@ -168,11 +171,13 @@ def plain_job(runtime: WorkerRuntime, body: bytes, ints: TokenInts) -> Job | Non
 
 
 class CompletionFastPath:
-    """ASGI middleware answering plain ``POST /v1/completions`` bodies; see the module
-    docstring. Installed inside ``BodyLimit``, which refuses an oversized body first."""
+    """The outermost ASGI app (``app.state.asgi_front``, what a server runs: ``app.core.http``):
+    plain ``POST /v1/completions`` bodies answered here, every other request, lifespan
+    included, passed to ``app`` unchanged; see the module docstring."""
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: FastAPI, max_body_bytes: int) -> None:
         self.app = app
+        self.max_body_bytes = max_body_bytes
         self._ints: TokenInts | None = None  # made at the first request, for the vocabulary
 
     def _token_ints(self, vocab_size: int) -> TokenInts:
@@ -186,14 +191,14 @@ class CompletionFastPath:
             or scope["path"] != PATH
             or scope["method"] != "POST"
             or scope["query_string"]
-            or not json_content(scope)
+            or not plain_json(scope, self.max_body_bytes)
         ):
             await self.app(scope, receive, send)
             return
         body = await read_body(receive)
         if body is None:  # the client went away
             return
-        runtime: WorkerRuntime | None = getattr(scope["app"].state, "runtime", None)
+        runtime: WorkerRuntime | None = getattr(self.app.state, "runtime", None)
         job = (
             plain_job(runtime, body, self._token_ints(runtime.settings.shape.vocab_size))
             if runtime is not None

@@ -225,3 +225,38 @@ def test_a_plain_prompt_is_scanned_into_words_and_shared_ints() -> None:
     # an id past the vocabulary, a bool: parsed in full (the route names the id; a bool is 1)
     assert fast_path._parsed(b'{"prompt": [3, 512]}', ints)[1:2] == ([3, 512],)  # type: ignore[index]
     assert fast_path._parsed(b'{"prompt": [3, true]}', ints)[1:2] == ([3, 1],)  # type: ignore[index]
+
+
+async def test_the_front_leaves_streamed_expecting_and_oversized_bodies_to_the_framework(
+    clean_redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    taken: list[bool] = []
+    plain_job = fast_path.plain_job
+
+    def recording(runtime: WorkerRuntime, body: bytes, ints: TokenInts) -> Job | None:
+        job = plain_job(runtime, body, ints)
+        taken.append(job is not None)
+        return job
+
+    monkeypatch.setattr(fast_path, "plain_job", recording)
+    body = orjson.dumps({"prompt": [1, 2, 3], "max_tokens": 2})
+
+    async def chunks() -> Any:
+        yield body
+
+    settings = worker_settings(clean_redis_url, max_body_bytes=len(body))
+    async with asgi_client(create_app(settings), "http://worker") as (client, _):
+        plain = await client.post("/v1/completions", content=body, headers=JSON)
+        streamed = await client.post("/v1/completions", content=chunks(), headers=JSON)
+        expecting = await client.post(
+            "/v1/completions", content=body, headers={**JSON, "expect": "100-continue"}
+        )
+        too_large = await client.post("/v1/completions", content=body + b" ", headers=JSON)
+    assert taken == [True]  # only the plain one reached the fast path's checks
+    answers = [r.json() for r in (plain, streamed, expecting)]
+    assert {r.status_code for r in (plain, streamed, expecting)} == {200}
+    assert [a["choices"][0]["token_ids"] for a in answers] == [expected_output([1, 2, 3], 2)] * 3
+    assert (too_large.status_code, too_large.json()["error"]["message"]) == (
+        413,
+        f"request body is larger than {len(body)} bytes",
+    )
