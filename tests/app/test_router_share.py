@@ -154,15 +154,17 @@ def test_two_router_processes_choose_as_one(embedded_redis: EmbeddedRedis) -> No
             for i in range(8)
         ]
         # One request through ra: before its worker's events could arrive (its prefill takes
-        # 0.35 s), rb counts it and places the same prefix on the same worker.
+        # 0.35 s), rb counts it and places the same prefix on the same worker. Its 200 tokens
+        # (1 s of decoding) keep it in flight while rb is asked, on a loaded machine too.
         first: list[str] = []
-        thread = threading.Thread(target=_post, args=(routers["ra"][0], bodies[0], first))
+        long_first = {**bodies[0], "max_tokens": 200}
+        thread = threading.Thread(target=_post, args=(routers["ra"][0], long_first, first))
         thread.start()
 
         def rb_counts_it() -> bool:
             return any(v["running"] == 1 for v in _inflight(routers["rb"][0]).values())
 
-        wait_for(rb_counts_it, timeout_s=0.3)
+        wait_for(rb_counts_it, timeout_s=1.0)
         where = next(w for w, v in _inflight(routers["rb"][0]).items() if v["running"] == 1)
         explained = httpx.post(
             f"{routers['rb'][0]}/route/explain", json={"prompt": bodies[1]["prompt"]}
