@@ -29,7 +29,6 @@ from starlette.types import Receive, Scope, Send
 from app.core.asgi import plain_json, read_body, replay, send_json
 from app.core.errors import BadRequest
 from app.core.middleware import error_body
-from app.core.token_json import TokenInts, parse_token_body
 from app.worker.completions import completion_body, token_words, tokens_job
 from app.worker.engine import (
     DrainingError,
@@ -101,16 +100,8 @@ def _maybe_bools(body: bytes) -> bool:
     return (b"f" in body and b"false" in body) or (b"u" in body and b"true" in body)
 
 
-def _parsed(body: bytes, ints: TokenInts) -> tuple[dict[str, Any], list[int], Any] | None:
-    """(the other members, the prompt's ids, their ``uint32`` words) of a body whose prompt
-    is a list of ids, or None. The scanner reads a plain array of ids below the vocabulary
-    into words and shares the ints (``app.core.token_json``); anything else it leaves (bools
-    or ids past the vocabulary among them, a ``prompt_token_ids`` key) is parsed in full."""
-    scanned = parse_token_body(body)
-    if scanned is not None and scanned.key == "prompt":
-        ids = scanned.words
-        if int(ids.max()) < ints.size:  # else tokens_job's 400, by the route
-            return scanned.fields, ints.list_of(ids), ids
+def plain_job(runtime: WorkerRuntime, body: bytes) -> Job | None:
+    """The Job of a plain body (see the module docstring), or None: the route answers it."""
     try:
         data = orjson.loads(body)
     except orjson.JSONDecodeError:
@@ -118,29 +109,15 @@ def _parsed(body: bytes, ints: TokenInts) -> tuple[dict[str, Any], list[int], An
     if type(data) is not dict:
         return None
     prompt = data.get("prompt")
-    if type(prompt) is not list or not prompt:
-        return None
-    words = token_words(prompt)  # None: not all ints in 0..2**32-1
-    if words is None:
-        return None
-    if _maybe_bools(body):  # the schema reads a bool among the ids as its int
-        prompt = words.tolist()
-    return data, prompt, words
-
-
-def plain_job(runtime: WorkerRuntime, body: bytes, ints: TokenInts) -> Job | None:
-    """The Job of a plain body (see the module docstring), or None: the route answers it."""
-    parsed = _parsed(body, ints)
-    if parsed is None:
-        return None
-    data, prompt, words = parsed
     max_tokens = data.get("max_tokens", _DEFAULT_MAX_TOKENS)
     priority = data.get("priority", 0)
     request_id = data.get("request_id")
     lora = data.get("lora_task_id")
     salt = data.get("cache_salt")
     if (
-        type(max_tokens) is not int
+        type(prompt) is not list
+        or not prompt
+        or type(max_tokens) is not int
         or max_tokens < 1
         or type(priority) is not int
         or not -_PRIORITY_MAX <= priority <= _PRIORITY_MAX
@@ -152,6 +129,11 @@ def plain_job(runtime: WorkerRuntime, body: bytes, ints: TokenInts) -> Job | Non
         or data.get("retention") is not None
     ):
         return None
+    words = token_words(prompt)  # None: not all ints in 0..2**32-1
+    if words is None:
+        return None
+    if _maybe_bools(body):  # the schema reads a bool among the ids as its int
+        prompt = words.tolist()
     settings = runtime.settings
     try:
         return tokens_job(
@@ -178,12 +160,6 @@ class CompletionFastPath:
     def __init__(self, app: FastAPI, max_body_bytes: int) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
-        self._ints: TokenInts | None = None  # made at the first request, for the vocabulary
-
-    def _token_ints(self, vocab_size: int) -> TokenInts:
-        if self._ints is None or self._ints.size != vocab_size:
-            self._ints = TokenInts(vocab_size)
-        return self._ints
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if (
@@ -199,11 +175,7 @@ class CompletionFastPath:
         if body is None:  # the client went away
             return
         runtime: WorkerRuntime | None = getattr(self.app.state, "runtime", None)
-        job = (
-            plain_job(runtime, body, self._token_ints(runtime.settings.shape.vocab_size))
-            if runtime is not None
-            else None
-        )
+        job = plain_job(runtime, body) if runtime is not None else None
         if runtime is None or job is None:
             await self.app(scope, replay(body, receive), send)
             return

@@ -5,12 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import orjson
 import pytest
 
 import app.worker.fast_path as fast_path
-from app.core.token_json import TokenInts
 from app.worker.app import create_app
 from app.worker.engine import Job
 from app.worker.runtime import WorkerRuntime
@@ -47,7 +45,7 @@ CASES: list[tuple[Any, str, str, bool]] = [
         True,
     ),
     ({"prompt": LONG, "max_tokens": 2}, "application/vnd.api+json; charset=utf-8", "", True),
-    # Odd whitespace (scanned); bodies the token scanner leaves to the full parse (answered too).
+    # Odd whitespace, another key named prompt, a key twice, a nested or escaped key.
     (b'{"max_tokens": 1, "prompt": [ 7 ,\n 8 ], "request_id": "i"}', "application/json", "", True),
     ({"prompt_token_ids": [5], "prompt": [1, 2], "max_tokens": 1}, "application/json", "", True),
     (b'{"prompt": [9], "prompt": [2, 3], "max_tokens": 1}', "application/json", "", True),
@@ -112,8 +110,8 @@ async def _answers(
     taken: list[bool] = []
     plain_job = fast_path.plain_job
 
-    def recording(runtime: WorkerRuntime, body: bytes, ints: TokenInts) -> Job | None:
-        job = plain_job(runtime, body, ints)
+    def recording(runtime: WorkerRuntime, body: bytes) -> Job | None:
+        job = plain_job(runtime, body)
         taken.append(job is not None)
         return job
 
@@ -214,27 +212,14 @@ async def test_the_engine_refuses_alike_on_both_paths(
     )
 
 
-def test_a_plain_prompt_is_scanned_into_words_and_shared_ints() -> None:
-    ints = TokenInts(512)
-    parsed = fast_path._parsed(b'{"prompt": [3, 300, 511], "max_tokens": 2}', ints)
-    assert parsed is not None
-    fields, prompt, words = parsed
-    assert (fields, prompt) == ({"max_tokens": 2}, [3, 300, 511])
-    assert isinstance(words, np.ndarray) and words.dtype == np.uint32
-    assert prompt[1] is ints.list_of(np.array([300], dtype=np.uint32))[0]  # one shared object
-    # an id past the vocabulary, a bool: parsed in full (the route names the id; a bool is 1)
-    assert fast_path._parsed(b'{"prompt": [3, 512]}', ints)[1:2] == ([3, 512],)  # type: ignore[index]
-    assert fast_path._parsed(b'{"prompt": [3, true]}', ints)[1:2] == ([3, 1],)  # type: ignore[index]
-
-
 async def test_the_front_leaves_streamed_expecting_and_oversized_bodies_to_the_framework(
     clean_redis_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     taken: list[bool] = []
     plain_job = fast_path.plain_job
 
-    def recording(runtime: WorkerRuntime, body: bytes, ints: TokenInts) -> Job | None:
-        job = plain_job(runtime, body, ints)
+    def recording(runtime: WorkerRuntime, body: bytes) -> Job | None:
+        job = plain_job(runtime, body)
         taken.append(job is not None)
         return job
 
