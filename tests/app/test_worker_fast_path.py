@@ -12,6 +12,7 @@ import app.worker.fast_path as fast_path
 from app.worker.app import create_app
 from app.worker.engine import Job
 from app.worker.runtime import WorkerRuntime
+from app.worker.settings import ModelShape
 from tests.app.worker_support import expected_output, worker_settings
 from tests.support.asgi import asgi_client
 
@@ -110,8 +111,8 @@ async def _answers(
     taken: list[bool] = []
     plain_job = fast_path.plain_job
 
-    def recording(runtime: WorkerRuntime, body: bytes) -> Job | None:
-        job = plain_job(runtime, body)
+    def recording(runtime: WorkerRuntime, body: bytes, shape: ModelShape) -> Job | None:
+        job = plain_job(runtime, body, shape)
         taken.append(job is not None)
         return job
 
@@ -218,8 +219,8 @@ async def test_the_front_leaves_streamed_expecting_and_oversized_bodies_to_the_f
     taken: list[bool] = []
     plain_job = fast_path.plain_job
 
-    def recording(runtime: WorkerRuntime, body: bytes) -> Job | None:
-        job = plain_job(runtime, body)
+    def recording(runtime: WorkerRuntime, body: bytes, shape: ModelShape) -> Job | None:
+        job = plain_job(runtime, body, shape)
         taken.append(job is not None)
         return job
 
