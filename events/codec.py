@@ -18,8 +18,7 @@ An event whose ``attention_dp_rank`` is set carries it as one more, last element
 are unsigned 64-bit integers and travel as msgpack uint64, so every value up to 2**64 - 1
 round-trips exactly. Encoding hands the token tuples of ``StoredBlock`` to msgpack as they are;
 decoding asks msgpack for tuples, so no Python code runs per token beyond one C-level type check
-per stored event. Encoding reuses one ``msgpack.Packer`` per thread: ``msgpack.packb`` makes a
-packer, and its 256 KiB buffer, per call (a quarter of the packing time of a worker's batches).
+per stored event.
 
 Malformed input (bytes that are not msgpack, or msgpack of the wrong shape) raises
 ``EventCodecError`` (``events.errors``: an ``EventsError`` and a ``ValueError``) that says what is
@@ -28,7 +27,6 @@ wrong and where.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterable, Iterator
 from itertools import chain
 from typing import Any, Final
@@ -73,7 +71,6 @@ _EVENT_LEN: Final = {TYPE_CREATED: 4, TYPE_STORED: 5, TYPE_REMOVED: 4, TYPE_UPDA
 _BLOCK_LEN: Final = 8
 _MAX_U64: Final = 2**64 - 1
 _INT_ONLY: Final = frozenset((int,))
-_PACKERS = threading.local()  # .packer: this thread's Packer (one pack at a time per thread)
 
 
 # -- encoding --------------------------------------------------------------------------------
@@ -108,19 +105,11 @@ def _event_array(event: KVCacheEvent) -> list[Any]:
     return out
 
 
-def _packer() -> Any:
-    packer = getattr(_PACKERS, "packer", None)
-    if packer is None:
-        packer = _PACKERS.packer = msgpack.Packer(use_bin_type=True)
-    return packer
-
-
 def encode_events(events: Iterable[KVCacheEvent]) -> bytes:
     """Pack ``events`` into one msgpack array (see the module docstring for the layout)."""
     arrays = [_event_array(event) for event in events]
     try:
-        # what msgpack.packb(arrays, use_bin_type=True) gives; a failed pack resets the buffer
-        packed: bytes = _packer().pack(arrays)
+        packed: bytes = msgpack.packb(arrays, use_bin_type=True)
     except (OverflowError, TypeError, ValueError) as exc:
         # e.g. a hash outside -2**63 .. 2**64 - 1, or a token that is not an int
         raise EventCodecError(f"cannot encode KV cache events: {exc}") from exc
