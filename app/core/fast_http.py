@@ -6,8 +6,8 @@ head, then the body). ``fast_protocol(app)`` is uvicorn's ``HttpToolsProtocol`` 
 synchronous *fast routes* (``app.state.fast_routes``: exact URL -> ``(headers, body) -> JSON
 bytes or None``): a POST to one of them is buffered instead of starting a cycle, and answered
 with one write when the route gives its answer. When it gives None (anything but its plain
-case), the request is handed to the ASGI app exactly as uvicorn would have handed it, body
-included, so the two paths differ only in cost.
+case) or raises (logged), the request is handed to the ASGI app exactly as uvicorn would have
+handed it, body included, so the two paths differ only in cost.
 
 Only the simple case is taken: HTTP/1.1 keep-alive, a Content-Length within
 ``app.state.fast_max_body_bytes``, no ``Expect`` or ``Transfer-Encoding``, and no earlier
@@ -19,6 +19,7 @@ The protocol runs on ``app.core.http_protocol``'s joining transport, so that eve
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -28,6 +29,8 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from app.core.http_protocol import OneWriteHttpToolsProtocol
 
 __all__ = ["FastRoute", "fast_protocol"]
+
+logger = logging.getLogger(__name__)
 
 # (the request's headers, lower-case names, as uvicorn gives them; its body) -> a 200's JSON
 # body, or None: the ASGI app answers.
@@ -100,7 +103,13 @@ class _FastProtocol(OneWriteHttpToolsProtocol):
         self._fast_route = None
         body = bytes(self._fast_body)
         self._fast_body = bytearray()
-        answer = route(self.headers, body)
+        try:
+            answer = route(self.headers, body)
+        except Exception:
+            # Raised inside httptools' callback, it would become uvicorn's bare 400 "Invalid
+            # HTTP request received." with no traceback: logged here, and the ASGI app answers.
+            logger.exception("fast route %r failed; the ASGI app answers", self.url)
+            answer = None
         if answer is None:  # uvicorn's own way, as if it had never been held back
             super().on_headers_complete()
             self.cycle.body += body

@@ -1,0 +1,125 @@
+"""``app.core.fast_http`` itself, under a real uvicorn server on a loopback port, as
+``app.core.http.uvicorn_config`` runs every service: pipelined requests on one keep-alive
+socket are answered in order whichever path takes each (the fast route's, the ASGI app's: the
+test app's differ, to tell them apart; one behind an ASGI answer still pending goes the ASGI
+app's way, as documented), and a fast route that raises hands its request to the ASGI app
+instead of failing the connection."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+import orjson
+import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from app.core.http import uvicorn_config
+from app.core.net import free_port
+
+
+def _route(headers: list[tuple[bytes, bytes]], body: bytes) -> bytes | None:
+    if body == b"boom":
+        raise RuntimeError("the fast route failed")
+    fields = orjson.loads(body)
+    if fields.get("fast"):
+        return orjson.dumps({"path": "fast", "n": fields["n"]})
+    return None  # anything but the plain case: the ASGI app answers
+
+
+def _app() -> FastAPI:
+    app = FastAPI()
+
+    @app.post("/route")
+    async def route(request: Request) -> JSONResponse:
+        body = await request.body()
+        return JSONResponse({"path": "asgi", "body": body.decode()}, status_code=202)
+
+    @app.get("/health")
+    async def health() -> dict[str, bool]:
+        return {"ok": True}
+
+    app.state.fast_routes = {b"/route": _route}
+    app.state.fast_max_body_bytes = 1024
+    return app
+
+
+@contextlib.asynccontextmanager
+async def _serving() -> AsyncIterator[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
+    app = _app()
+    port = free_port()
+    config = uvicorn_config(app, "127.0.0.1", port, "warning")
+    assert isinstance(config.http, type) and config.http.__name__ == "FastHttpToolsProtocol"
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve())
+    try:
+        async with asyncio.timeout(10):
+            while not server.started:
+                await asyncio.sleep(0.01)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            yield reader, writer
+        finally:
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(task, 10)
+
+
+def _post(body: bytes) -> bytes:
+    return (
+        b"POST /route HTTP/1.1\r\nhost: t\r\ncontent-type: application/json\r\n"
+        b"content-length: %d\r\n\r\n%s" % (len(body), body)
+    )
+
+
+async def _answer(reader: asyncio.StreamReader) -> tuple[int, bytes]:
+    async with asyncio.timeout(10):
+        head = await reader.readuntil(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        length = next(
+            int(line.partition(":")[2])
+            for line in lines
+            if line.lower().startswith("content-length:")
+        )
+        return int(lines[0].split(" ")[1]), await reader.readexactly(length)
+
+
+async def test_pipelined_requests_are_answered_in_order_on_either_path() -> None:
+    async with _serving() as (reader, writer):
+        writer.write(
+            _post(b'{"fast": true, "n": 1}')
+            + _post(b'{"fast": false}')
+            + b"GET /health HTTP/1.1\r\nhost: t\r\n\r\n"
+        )
+        answers = [await _answer(reader) for _ in range(3)]
+        # Once those are answered the connection's next route is the fast path's again.
+        writer.write(_post(b'{"fast": true, "n": 2}'))
+        answers.append(await _answer(reader))
+    assert answers == [
+        (200, b'{"path":"fast","n":1}'),
+        (202, b'{"path":"asgi","body":"{\\"fast\\": false}"}'),
+        (200, b'{"ok":true}'),
+        (200, b'{"path":"fast","n":2}'),
+    ]
+
+
+async def test_a_fast_route_that_raises_is_logged_and_the_asgi_app_answers(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level(logging.ERROR, logger="app.core.fast_http"):
+        async with _serving() as (reader, writer):
+            writer.write(_post(b"boom"))
+            answers = [await _answer(reader)]
+            writer.write(_post(b'{"fast": true, "n": 3}'))  # the same connection, still open
+            answers.append(await _answer(reader))
+    assert answers == [(202, b'{"path":"asgi","body":"boom"}'), (200, b'{"path":"fast","n":3}')]
+    failures = [r for r in caplog.records if r.name == "app.core.fast_http"]
+    assert len(failures) == 1 and failures[0].exc_info is not None
+    assert "the fast route failed" in str(failures[0].exc_info[1])
