@@ -142,6 +142,8 @@ class RouterRuntime:
         members = self.view.members
         for worker in list(core.workers):
             if worker not in members:
+                if url := core.workers[worker].url:
+                    self.upstream.forget(url)  # its kept connections too
                 core.remove_worker(worker)
         for worker in list(self.incompatible):
             if worker not in self.view.consumer.workers():

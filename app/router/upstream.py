@@ -5,12 +5,17 @@ h11, the request and response models); in ``kvmesh bench proxy`` the router spen
 CPU per proxied completion with it, 0.9 ms with this client (docs/benchmarks.md). ``WorkerClient``
 does only what the proxy needs: a POST of JSON bytes written in one write, the status line and
 headers, then the body by Content-Length or chunked transfer coding, read whole (``aread``) or as
-it comes (``aiter_raw``). Connections are kept per ``host:port`` and reused, newest first; one the
-worker has closed, or idle longer than ``keep_alive_s``, is dropped, not reused; a kept-alive
-connection that the worker closes as the request goes out is replaced by a new one and the request
-sent once more (the worker never read it). Connections in use are not capped (httpx's pool held
-1,024 and queued the rest; a worker bounds what it takes with its queue length). A URL whose scheme
-is not ``http`` (``https://``) goes to ``fallback``, an httpx client.
+it comes (``aiter_raw``). Connections are kept per ``host:port`` and reused, newest first. An idle
+connection is checked as it is taken: one the worker has closed (or sent anything on: it is
+readable) or idle longer than ``keep_alive_s`` is dropped, not reused, and a new one made. A
+request once written is never sent again: a worker that closes without answering may have read it
+(a completion run twice, or a 409 on its request id), so that is the caller's error. Idle
+connections that expire or that the worker closes are also swept from every worker's pool (at
+most once a second on ``post``, and every ``keep_alive_s`` while any are idle), and
+``forget(url)`` drops a removed worker's pool, so that none is left in CLOSE_WAIT. Connections
+in use are not capped (httpx's pool held 1,024 and queued the rest; a worker bounds what it takes
+with its queue length). A URL whose scheme is not ``http`` (``https://``) goes to ``fallback``, an
+httpx client.
 
 Exceptions (httpx's names, so that the 502s say what they said before)::
 
@@ -28,6 +33,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
+import select
 import time
 from collections.abc import AsyncIterator, Awaitable, Mapping
 from typing import Protocol
@@ -55,6 +62,9 @@ __all__ = [
 KEEP_ALIVE_S = 30.0
 _MAX_HEAD_BYTES = 64 * 1024
 _READ_BYTES = 64 * 1024
+_SWEEP_EVERY_S = 1.0  # the most often ``post`` sweeps the idle pools
+_DIGITS = re.compile(r"[0-9]{1,18}")  # a Content-Length: ASCII digits only (not "²", "+1")
+_HEX = re.compile(rb"[0-9A-Fa-f]{1,15}")  # a chunk size: plain hex (not "-3", "0x10", "1_0")
 
 
 class UpstreamError(Exception):
@@ -105,6 +115,9 @@ class Upstream(Protocol):
 
     async def post(self, url: str, body: bytes) -> UpstreamResponse: ...
 
+    def forget(self, url: str) -> None:
+        """The worker at ``url`` is gone: drop what is kept for it."""
+
     async def aclose(self) -> None: ...
 
 
@@ -119,20 +132,37 @@ class HttpxUpstream:
         request = self.client.build_request("POST", url, content=body, headers=self._json)
         return await self.client.send(request, stream=True)
 
+    def forget(self, url: str) -> None:
+        return None  # httpx's pool expires its own connections
+
     async def aclose(self) -> None:
         return None
 
 
 class _Connection:
-    __slots__ = ("idle_since", "reader", "writer")
+    __slots__ = ("fd", "idle_since", "reader", "writer")
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.reader = reader
         self.writer = writer
         self.idle_since = 0.0
+        sock = writer.get_extra_info("socket")
+        self.fd: int = sock.fileno() if sock is not None else -1
 
     def usable(self) -> bool:
-        return not self.writer.is_closing() and not self.reader.at_eof()
+        """Open, and nothing to read: between answers a worker sends nothing, so a readable
+        socket is one it has closed (its FIN in, not yet seen by the loop) or spoken out of turn
+        on (as httpcore checks a pooled connection)."""
+        if self.writer.is_closing() or self.reader.at_eof():
+            return False
+        if self.fd < 0:
+            return True
+        poller = select.poll()
+        poller.register(self.fd, select.POLLIN | select.POLLPRI)
+        try:
+            return not poller.poll(0)
+        except OSError:
+            return False
 
     def close(self) -> None:
         self.writer.close()
@@ -158,7 +188,9 @@ class _Response:
         self.headers = headers
         self._chunked = headers.get("transfer-encoding", "").lower() == "chunked"
         length = headers.get("content-length")
-        self._length = int(length) if length is not None and length.isdigit() else None
+        if length is not None and not self._chunked and _DIGITS.fullmatch(length) is None:
+            raise RemoteProtocolError(f"bad Content-Length {length[:40]!r}")
+        self._length = int(length) if length is not None and not self._chunked else None
         # HTTP/1.1 keeps the connection unless told otherwise; HTTP/1.0 closes it unless told.
         keep = headers.get("connection", "").lower()
         keep_alive = keep == "keep-alive" if version == "HTTP/1.0" else keep != "close"
@@ -189,15 +221,17 @@ class _Response:
         if self._chunked:
             while True:
                 line = await read(reader.readuntil(b"\r\n"))
-                try:
-                    size = int(line.split(b";", 1)[0].strip(), 16)
-                except ValueError:
-                    raise RemoteProtocolError(f"bad chunk size {line[:40]!r}") from None
+                digits = line.split(b";", 1)[0].strip(b" \t\r\n")
+                if _HEX.fullmatch(digits) is None:
+                    raise RemoteProtocolError(f"bad chunk size {line[:40]!r}")
+                size = int(digits, 16)
                 if size == 0:
                     while await read(reader.readuntil(b"\r\n")) != b"\r\n":  # trailers
                         pass
                     return
                 data = await read(reader.readexactly(size + 2))
+                if data[-2:] != b"\r\n":
+                    raise RemoteProtocolError("a chunk longer than its size")
                 yield data[:-2]
         elif self._length is not None:
             left = self._length
@@ -238,6 +272,9 @@ class WorkerClient:
         self._idle: dict[tuple[str, int], list[_Connection]] = {}
         self._addresses: dict[str, tuple[str, int, bytes] | None] = {}  # URL -> host, port, path
         self._closed = False
+        self._swept_at = time.monotonic()
+        self._sweep_every_s = max(min(_SWEEP_EVERY_S, keep_alive_s), 0.01)
+        self._sweeper: asyncio.TimerHandle | None = None
 
     async def post(self, url: str, body: bytes) -> UpstreamResponse:
         if url in self._addresses:
@@ -252,16 +289,10 @@ class WorkerClient:
             b"POST %s HTTP/1.1\r\nhost: %s:%d\r\ncontent-type: application/json\r\n"
             b"content-length: %d\r\n\r\n" % (path, host.encode(), port, len(body))
         ) + body
-        connection, reused = await self._connection(key)
-        try:
-            return await self._exchange(key, connection, request)
-        except (RemoteProtocolError, ReadError):
-            if not reused:
-                raise
-        # The worker closed a kept-alive connection as the request went out (its idle timeout):
-        # once more on a new connection, as it never read the request.
-        connection, _ = await self._connection(key, new=True)
-        return await self._exchange(key, connection, request)
+        if time.monotonic() - self._swept_at >= self._sweep_every_s:
+            self.sweep()
+        # Sent once: a failure after the write is the caller's (the worker may have read it).
+        return await self._exchange(key, await self._connection(key), request)
 
     async def _exchange(
         self, key: tuple[str, int], connection: _Connection, request: bytes
@@ -269,10 +300,10 @@ class WorkerClient:
         try:
             connection.writer.write(request)
             version, status, headers = await self._read_head(connection.reader)
+            return _Response(self, key, connection, version, status, headers)
         except BaseException:
             connection.close()
             raise
-        return _Response(self, key, connection, version, status, headers)
 
     async def read(self, pending: Awaitable[bytes]) -> bytes:
         """``await pending`` (a stream read) within the read timeout, its errors ours."""
@@ -309,19 +340,17 @@ class WorkerClient:
                 headers[name.strip().lower()] = value.strip()
         return version, int(code), headers
 
-    async def _connection(
-        self, key: tuple[str, int], new: bool = False
-    ) -> tuple[_Connection, bool]:
-        """A kept-alive connection to ``key`` (and True), else a new one (and False)."""
+    async def _connection(self, key: tuple[str, int]) -> _Connection:
+        """A kept-alive connection to ``key`` still open and unexpired, else a new one."""
         if self._closed:
             raise ConnectError("the client is closed")
-        idle = None if new else self._idle.get(key)
+        idle = self._idle.get(key)
         if idle:
             oldest = time.monotonic() - self.keep_alive_s
             while idle:
                 connection = idle.pop()
                 if connection.idle_since > oldest and connection.usable():
-                    return connection, True
+                    return connection
                 connection.close()
         try:
             async with asyncio.timeout(self.connect_timeout_s):
@@ -332,7 +361,7 @@ class WorkerClient:
             raise ConnectTimeout(f"no connection within {self.connect_timeout_s} s") from None
         except OSError as exc:
             raise ConnectError(str(exc) or type(exc).__name__) from None
-        return _Connection(reader, writer), False
+        return _Connection(reader, writer)
 
     def release(self, key: tuple[str, int], connection: _Connection) -> None:
         """A connection whose answer was read to the end, back to the pool."""
@@ -342,9 +371,58 @@ class WorkerClient:
             return
         connection.idle_since = time.monotonic()
         idle.append(connection)
+        if self._sweeper is None:
+            loop = asyncio.get_running_loop()
+            self._sweeper = loop.call_later(max(self.keep_alive_s, 0.01), self._tick)
+
+    def sweep(self) -> int:
+        """Close the idle connections, of every worker, that are expired or that the worker
+        has closed; how many."""
+        now = time.monotonic()
+        self._swept_at = now
+        oldest = now - self.keep_alive_s
+        dropped = 0
+        for key, idle in list(self._idle.items()):
+            kept = []
+            for connection in idle:
+                if connection.idle_since > oldest and connection.usable():
+                    kept.append(connection)
+                else:
+                    connection.close()
+                    dropped += 1
+            if kept:
+                idle[:] = kept
+            else:
+                del self._idle[key]
+        return dropped
+
+    def _tick(self) -> None:
+        self._sweeper = None
+        self.sweep()
+        if self._idle and not self._closed:
+            loop = asyncio.get_running_loop()
+            self._sweeper = loop.call_later(max(self.keep_alive_s, 0.01), self._tick)
+
+    def idle_connections(self) -> int:
+        return sum(len(idle) for idle in self._idle.values())
+
+    def forget(self, url: str) -> None:
+        """The worker at ``url`` was removed: close its idle connections, forget its URLs."""
+        address = _address(url)
+        if address is None:
+            return
+        key = address[:2]
+        for connection in self._idle.pop(key, []):
+            connection.close()
+        for known, parts in list(self._addresses.items()):
+            if parts is not None and parts[:2] == key:
+                del self._addresses[known]
 
     async def aclose(self) -> None:
         self._closed = True
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
         connections = [c for idle in self._idle.values() for c in idle]
         self._idle.clear()
         for connection in connections:

@@ -26,6 +26,7 @@ CHUNKED = (
     b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
     b"9\r\ndata: 1\n\n\r\n9\r\ndata: 2\n\n\r\n0\r\n\r\n"
 )
+CLOSE = b"<close>"  # at the end of an answer: the server closes the connection after it
 OLD = b"HTTP/1.0 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}"
 
 # The request number on its connection (0, 1, ...) -> what the server writes, or None: it
@@ -37,6 +38,7 @@ Script = Callable[[int], bytes | str | None]
 class Server:
     port: int
     connections: int = 0
+    hangups: int = 0  # connections the client closed
     requests: list[tuple[bytes, bytes]] = field(default_factory=list)  # (head, body)
 
 
@@ -52,7 +54,11 @@ async def serving(script: Script) -> AsyncIterator[Server]:
         handlers.add(task)
         try:
             for n in range(1_000):
-                head = await reader.readuntil(b"\r\n\r\n")
+                try:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                except asyncio.IncompleteReadError:
+                    server.hangups += 1
+                    raise
                 length = next(
                     int(line.split(b":")[1])
                     for line in head.split(b"\r\n")
@@ -64,8 +70,10 @@ async def serving(script: Script) -> AsyncIterator[Server]:
                     await asyncio.sleep(10)
                 if not isinstance(answer, bytes):
                     break
-                writer.write(answer)
+                writer.write(answer.removesuffix(CLOSE))
                 await writer.drain()
+                if answer.endswith(CLOSE):
+                    break
         except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
             pass
         finally:
@@ -139,7 +147,7 @@ async def test_a_chunked_answer_comes_chunk_by_chunk_and_keeps_the_connection() 
     ("script", "connections"),
     [
         (lambda n: OLD, 2),  # HTTP/1.0 without keep-alive: closed after each answer
-        (lambda n: OK if n == 0 else None, 2),  # the worker closed the kept connection: once more
+        (lambda n: OK + CLOSE, 2),  # the worker closed the kept connection: a new one
         (lambda n: OK.replace(b"\r\n\r\n", b"\r\nconnection: close\r\n\r\n", 1), 2),
     ],
 )
@@ -152,8 +160,64 @@ async def test_a_connection_the_worker_does_not_keep_is_not_reused(
             answer = await upstream.post(f"http://127.0.0.1:{server.port}/x", b"{}")
             assert answer.status_code == 200
             await answer.aread()
+            await asyncio.sleep(0.05)  # the worker's close reaches the client
         await upstream.aclose()
     assert server.connections == connections
+    assert len(server.requests) == 2  # each request sent once
+
+
+async def test_a_request_the_worker_may_have_read_is_never_sent_again() -> None:
+    # The worker reads the second request on the kept connection, then closes unanswered.
+    async with serving(lambda n: OK if n == 0 else None) as server:
+        upstream = client()
+        url = f"http://127.0.0.1:{server.port}/x"
+        await (await upstream.post(url, b"{}")).aread()
+        with pytest.raises(RemoteProtocolError, match="closed without an answer"):
+            await upstream.post(url, b'{"n":2}')
+        await upstream.aclose()
+    assert (server.connections, len(server.requests)) == (1, 2)
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        OK.replace(b"content-length: 11", b"content-length: \xb2"),  # latin-1 "²"
+        OK.replace(b"content-length: 11", b"content-length: +11"),
+        CHUNKED.replace(b"9\r\ndata: 1", b"-3\r\ndata: 1"),
+        CHUNKED.replace(b"9\r\ndata: 1\n\n\r\n", b"0x10\r\ndata: 1\n\ndata: 2\n\n\r\n"),
+        CHUNKED.replace(b"9\r\ndata: 1\n\n\r\n", b"1_0\r\ndata: 1\n\ndata: 2\n\n\r\n"),
+    ],
+)
+async def test_a_bad_length_or_chunk_size_is_a_protocol_error(answer: bytes) -> None:
+    async with serving(lambda n: answer) as server:
+        upstream = client(read_timeout_s=1.0)
+        with pytest.raises(RemoteProtocolError, match="bad"):
+            response = await upstream.post(f"http://127.0.0.1:{server.port}/x", b"{}")
+            await response.aread()
+        assert upstream.idle_connections() == 0
+        await upstream.aclose()
+
+
+async def test_idle_connections_of_every_worker_are_swept_and_a_removed_worker_forgotten() -> None:
+    async with serving(lambda n: OK) as kept, serving(lambda n: OK) as other:
+        upstream = client(keep_alive_s=0.2)
+        for port in (kept.port, other.port):
+            await (await upstream.post(f"http://127.0.0.1:{port}/x", b"{}")).aread()
+        assert upstream.idle_connections() == 2
+        await asyncio.sleep(0.5)  # both expire with no post to either: the timer sweeps them
+        assert upstream.idle_connections() == 0
+        assert (kept.hangups, other.hangups) == (1, 1)
+        await upstream.aclose()
+        upstream = client()
+        url = f"http://127.0.0.1:{kept.port}/v1/completions"
+        await (await upstream.post(url, b"{}")).aread()
+        await (await upstream.post(f"http://127.0.0.1:{other.port}/x", b"{}")).aread()
+        upstream.forget(f"http://127.0.0.1:{kept.port}")
+        assert upstream.idle_connections() == 1
+        assert list(upstream._addresses) == [f"http://127.0.0.1:{other.port}/x"]
+        await asyncio.sleep(0.05)
+        assert (kept.hangups, other.hangups) == (2, 1)
+        await upstream.aclose()
 
 
 async def test_idle_connections_expire_and_unread_answers_drop_theirs() -> None:
