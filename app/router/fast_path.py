@@ -25,8 +25,9 @@ from typing import Any
 
 import orjson
 from fastapi import FastAPI
-from starlette.types import Message, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
+from app.core.asgi import read_body, replay, send_json
 from app.core.errors import ApiError
 from app.core.fast_http import FastRoute
 from app.core.token_json import TokenBody, parse_token_body
@@ -66,36 +67,20 @@ class FastPath:
         if session is None or runtime is None:
             await self.app(scope, receive, send)
             return
-        chunks: list[bytes] = []
-        more = True
-        while more:
-            message = await receive()
-            if message["type"] != "http.request":  # the client went away
-                return
-            chunks.append(message.get("body", b""))
-            more = message.get("more_body", False)
-        body = b"".join(chunks)
+        body = await read_body(receive)
+        if body is None:  # the client went away
+            return
         if scope["path"] == "/route":
             answer = route_answer(runtime, body, session or None)
             if answer is not None:
-                await send(
-                    {
-                        "type": "http.response.start",
-                        "status": 200,
-                        "headers": [
-                            (b"content-type", b"application/json"),
-                            (b"content-length", b"%d" % len(answer)),
-                        ],
-                    }
-                )
-                await send({"type": "http.response.body", "body": answer})
+                await send_json(send, 200, answer)
                 return
         else:
             response = await completion_answer(runtime, body, session or None)
             if response is not None:
                 await response(scope, receive, send)
                 return
-        await self.app(scope, _replay(body, receive), send)
+        await self.app(scope, replay(body, receive), send)
 
 
 def fast_routes(app: FastAPI, max_body_bytes: int) -> dict[bytes, FastRoute]:
@@ -134,21 +119,6 @@ def plain_headers(headers: list[tuple[bytes, bytes]], max_body_bytes: int) -> st
         elif name == b"expect" or name == b"transfer-encoding":
             return None
     return session if json_type and length else None
-
-
-def _replay(body: bytes, receive: Receive) -> Receive:
-    """The body already read, then the connection's own messages (a streamed answer listens
-    for the client's disconnect)."""
-    sent = False
-
-    async def replay() -> Message:
-        nonlocal sent
-        if sent:
-            return await receive()
-        sent = True
-        return {"type": "http.request", "body": body, "more_body": False}
-
-    return replay
 
 
 def _str_or_none(value: Any, longest: int | None = None) -> bool:
