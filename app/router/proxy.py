@@ -77,37 +77,43 @@ async def proxy(
         view = core.workers[worker]
         url = f"{view.url}{path}"
         core.begin(request_id, decision, hashes, prompt.num_tokens, prompt.session)
+        relayed = False  # the flight is then _relay's to finish
         try:
-            upstream = await runtime.upstream.post(url, payload(view.foreign))
-        except UPSTREAM_ERRORS as exc:
-            core.finish(request_id)
-            core.unpredict(worker, hashes)  # it never got the request
-            failures.append(f"{worker}: {type(exc).__name__}")
-            metrics.retries.inc()
-            continue
-        if upstream.status_code in _RETRY_STATUSES:
-            await upstream.aclose()
-            core.finish(request_id)
-            core.unpredict(worker, hashes)
-            failures.append(f"{worker}: HTTP {upstream.status_code}")
-            metrics.retries.inc()
-            continue
-        headers = {"x-kvmesh-worker": worker}
-        if stream and upstream.status_code == 200:
-            return StreamingResponse(
-                _relay(runtime, request_id, upstream),
-                status_code=upstream.status_code,
-                media_type=upstream.headers.get("content-type", "text/event-stream"),
-                headers=headers,
-            )
-        try:
-            data = await upstream.aread()
-        except UPSTREAM_ERRORS as exc:
-            failures.append(f"{worker}: {type(exc).__name__} while reading")
-            return error(502, f"worker {worker} failed mid-response", "upstream_error")
-        finally:
-            await upstream.aclose()
-            core.finish(request_id)
+            try:
+                upstream = await runtime.upstream.post(url, payload(view.foreign))
+            except UPSTREAM_ERRORS as exc:
+                core.finish(request_id)
+                core.unpredict(worker, hashes)  # it never got the request
+                failures.append(f"{worker}: {type(exc).__name__}")
+                metrics.retries.inc()
+                continue
+            if upstream.status_code in _RETRY_STATUSES:
+                await upstream.aclose()
+                core.finish(request_id)
+                core.unpredict(worker, hashes)
+                failures.append(f"{worker}: HTTP {upstream.status_code}")
+                metrics.retries.inc()
+                continue
+            headers = {"x-kvmesh-worker": worker}
+            if stream and upstream.status_code == 200:
+                response = StreamingResponse(
+                    _relay(runtime, request_id, upstream),
+                    status_code=upstream.status_code,
+                    media_type=upstream.headers.get("content-type", "text/event-stream"),
+                    headers=headers,
+                )
+                relayed = True
+                return response
+            try:
+                data = await upstream.aread()
+            except UPSTREAM_ERRORS as exc:
+                failures.append(f"{worker}: {type(exc).__name__} while reading")
+                return error(502, f"worker {worker} failed mid-response", "upstream_error")
+            finally:
+                await upstream.aclose()
+        finally:  # whatever happened (an unexpected exception too), no flight is left behind
+            if not relayed:
+                core.finish(request_id)
         metrics.completions.labels(worker=worker, status=str(upstream.status_code)).inc()
         return Response(
             data,

@@ -9,17 +9,22 @@ import contextlib
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
+import httpx
 import pytest
 
 from app.core.net import free_port
 from app.router.upstream import (
-    UPSTREAM_ERRORS,
     ConnectError,
+    ConnectTimeout,
+    ReadError,
     ReadTimeout,
     RemoteProtocolError,
     UpstreamResponse,
     WorkerClient,
 )
+from tests.app.router_support import router_client, router_settings
+from tests.app.worker_support import worker_client, worker_settings
+from tests.support.wait import eventually
 
 OK = b'HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 11\r\n\r\n{"ok":true}'
 CHUNKED = (
@@ -253,7 +258,61 @@ async def test_each_failure_is_its_own_error() -> None:
         with pytest.raises(ReadTimeout):  # the rest of the body never comes
             await answer.aread()
     await upstream.aclose()
-    assert all(issubclass(e, UPSTREAM_ERRORS) for e in (ConnectError, ReadTimeout))
+
+
+class Failing:
+    """An upstream whose every post fails with ``error``."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+        self.posts = 0
+
+    async def post(self, url: str, body: bytes) -> UpstreamResponse:
+        self.posts += 1
+        raise self.error
+
+    def forget(self, url: str) -> None:
+        return None
+
+    async def aclose(self) -> None:
+        return None
+
+
+async def test_the_proxy_answers_each_upstream_error_with_a_502_and_no_flight_left(
+    clean_redis_url: str,
+) -> None:
+    async with (
+        worker_client(worker_settings(clean_redis_url, worker_id="w0")),
+        worker_client(worker_settings(clean_redis_url, worker_id="w1")),
+        router_client(router_settings(clean_redis_url)) as (router, runtime),
+    ):
+        await eventually(lambda: len(runtime.core.workers) == 2 and runtime.readiness()["ready"])
+        real = runtime.upstream
+        errors: list[Exception] = [
+            ConnectError("x"),
+            ConnectTimeout("x"),
+            ReadTimeout("x"),
+            ReadError("x"),
+            RemoteProtocolError("x"),
+            httpx.ConnectError("x"),
+        ]
+        for exc in errors:
+            runtime.upstream = failing = Failing(exc)
+            response = await router.post(
+                "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 1}
+            )
+            assert response.status_code == 502, exc
+            assert response.json()["error"]["type"] == "upstream_error"
+            name = type(exc).__name__
+            assert response.json()["error"]["message"].count(f": {name}") == 2
+            assert failing.posts == 2
+            assert runtime.core.inflight == {}
+        # Anything else is the router's own 500, but its flight is finished all the same.
+        runtime.upstream = Failing(ValueError("not an upstream error"))
+        with pytest.raises(ValueError, match="not an upstream error"):
+            await router.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 1})
+        assert runtime.core.inflight == {}
+        runtime.upstream = real
 
 
 async def test_another_scheme_goes_to_the_fallback() -> None:
