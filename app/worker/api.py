@@ -34,6 +34,7 @@ from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi.responses import Response, StreamingResponse
 
 from app.chat import ChatCompletionRequest
+from app.chat.detokenize import IncrementalText
 from app.core.errors import Conflict, NotFound
 from app.core.http import (
     OrjsonResponse,
@@ -85,11 +86,19 @@ async def _stream(runtime: WorkerRuntime, job: Job, created: int) -> AsyncIterat
     finish reason and usage, then ``[DONE]``. A client that goes away cancels the job."""
     sent = 0
     model = runtime.settings.model_name
+    tokenizer = runtime.tokenizer
+    # With a tokenizer, each chunk's text is what its ids add (decoded as they come).
+    text = IncrementalText(tokenizer) if tokenizer is not None else None
+    sent_text = ""
     try:
         while True:
             job.updated.clear()
             if len(job.output) > sent:
                 new, sent = job.output[sent:], len(job.output)
+                delta = ""
+                if text is not None:
+                    so_far = text.update(job.output)
+                    delta, sent_text = so_far[len(sent_text) :], so_far
                 yield _sse(
                     {
                         "id": job.job_id,
@@ -97,13 +106,16 @@ async def _stream(runtime: WorkerRuntime, job: Job, created: int) -> AsyncIterat
                         "created": created,
                         "model": model,
                         "choices": [
-                            {"index": 0, "text": "", "token_ids": new, "finish_reason": None}
+                            {"index": 0, "text": delta, "token_ids": new, "finish_reason": None}
                         ],
                     }
                 )
             if job.finished:
                 final = completion_body(job, runtime.settings.worker_id, model, created)
                 final["choices"][0]["token_ids"] = []
+                if text is not None:  # a partial character held back to the end
+                    text.update(job.output)
+                    final["choices"][0]["text"] = text.final()[len(sent_text) :]
                 yield _sse(final)
                 yield b"data: [DONE]\n\n"
                 return
@@ -140,9 +152,10 @@ def _inference_router() -> APIRouter:
         failed = await _finish(runtime, job, request)
         if failed is not None:
             return failed
-        return OrjsonResponse(
-            completion_body(job, settings.worker_id, settings.model_name, created)
+        answer = completion_body(
+            job, settings.worker_id, settings.model_name, created, runtime.tokenizer
         )
+        return OrjsonResponse(answer)
 
     @router.post(
         "/v1/chat/completions",

@@ -194,8 +194,11 @@ def timings_of(worker_id: str, job: Job) -> dict[str, Any]:
     }
 
 
-def completion_body(job: Job, worker_id: str, model: str, created: int) -> dict[str, Any]:
-    """The OpenAI completion of a finished job, with kvmesh's timings."""
+def completion_body(
+    job: Job, worker_id: str, model: str, created: int, tokenizer: ModelTokenizer | None = None
+) -> dict[str, Any]:
+    """The OpenAI completion of a finished job, with kvmesh's timings; ``text`` is the output
+    decoded when the worker has a tokenizer (``token_ids`` always)."""
     return {
         "id": job.job_id,
         "object": "text_completion",
@@ -204,7 +207,7 @@ def completion_body(job: Job, worker_id: str, model: str, created: int) -> dict[
         "choices": [
             {
                 "index": 0,
-                "text": "",
+                "text": tokenizer.decode(job.output) if tokenizer is not None else "",
                 "token_ids": job.output,
                 "logprobs": None,
                 "finish_reason": job.finish_reason,

@@ -200,7 +200,9 @@ class CompletionFastPath:
             await _refuse(send, failed)
             return
         settings = runtime.settings
-        answer = completion_body(job, settings.worker_id, settings.model_name, created)
+        answer = completion_body(
+            job, settings.worker_id, settings.model_name, created, runtime.tokenizer
+        )
         await send_json(send, 200, orjson.dumps(answer))
 
 

@@ -282,3 +282,25 @@ async def test_input_a_template_cannot_take_is_a_400_not_a_500(
             answer = await client.post("/v1/chat/completions", json=body)
             assert answer.status_code == 400, answer.text[:300]
             assert answer.json()["error"]["param"] == "messages"
+
+
+async def test_completions_on_a_worker_with_a_tokenizer_carry_their_text(
+    clean_redis_url: str, llama: Path
+) -> None:
+    """``/v1/completions``: ``text`` is the output decoded (plain, fast path or not, and
+    streamed, the chunks' texts adding up to it); without a tokenizer it stays empty."""
+    theirs = AutoTokenizer.from_pretrained(str(llama), local_files_only=True)
+    async with worker_client(_settings(clean_redis_url, llama)) as (client, _):
+        for prompt in ("The weather in Paris", [5, 6, 7, 8]):  # text (FastAPI), ids (fast path)
+            request = {"prompt": prompt, "max_tokens": 16}
+            plain = (await client.post("/v1/completions", json=request)).json()["choices"][0]
+            assert plain["text"] == theirs.decode(plain["token_ids"], skip_special_tokens=True)
+            assert len(plain["text"]) > 8
+            streamed = await client.post("/v1/completions", json={**request, "stream": True})
+            chunks = _events(streamed.content)
+            ids = [i for c in chunks for i in c["choices"][0]["token_ids"]]
+            assert ids == plain["token_ids"]  # the sim's output is a function of the prompt
+            assert "".join(c["choices"][0]["text"] for c in chunks) == plain["text"]
+    async with worker_client(_settings(clean_redis_url, None)) as (client, _):
+        bare = (await client.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": 4}))
+        assert bare.json()["choices"][0]["text"] == ""
