@@ -302,5 +302,5 @@ async def test_completions_on_a_worker_with_a_tokenizer_carry_their_text(
             assert ids == plain["token_ids"]  # the sim's output is a function of the prompt
             assert "".join(c["choices"][0]["text"] for c in chunks) == plain["text"]
     async with worker_client(_settings(clean_redis_url, None)) as (client, _):
-        bare = (await client.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": 4}))
+        bare = await client.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": 4})
         assert bare.json()["choices"][0]["text"] == ""
