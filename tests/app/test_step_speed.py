@@ -28,7 +28,9 @@ def test_the_fit_finds_a_linear_speed_from_its_steps() -> None:
 def test_before_any_step_the_prior_is_the_answer_and_a_term_never_seen_keeps_it() -> None:
     prior = SimTiming(5e-3, 32e-6, 80e-6)
     speed = StepSpeed(prior=prior)
-    assert speed.estimate() == pytest.approx(prior)  # type: ignore[comparison-overlap]
+    fit = speed.estimate()
+    fields = [fit.step_overhead_s, fit.prefill_s_per_token, fit.decode_s_per_sequence]
+    assert fields == pytest.approx([5e-3, 32e-6, 80e-6], rel=1e-9)
     for _ in range(200):  # prefill-only steps of varying size: decodes never seen
         for prefill in (64, 2_048, 8_192):
             speed.observe(TRUE.step_time(prefill, 0), prefill, 0)

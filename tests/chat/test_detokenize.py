@@ -6,6 +6,7 @@ character it takes back."""
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -68,7 +69,7 @@ def test_updates_decode_a_window_not_the_whole_output(
     decoded: list[int] = []
 
     class Counting:
-        def decode(self, window: list[int]) -> str:
+        def decode(self, window: Sequence[int]) -> str:
             decoded.append(len(window))
             return tokenizer.decode(window)
 

@@ -198,7 +198,7 @@ def test_a_template_reading_messages_every_way_renders_as_transformers(
 ) -> None:
     probe = _with_template(tmp_path, dirs["chatml"], PROBE_TEMPLATE)
     hf = AutoTokenizer.from_pretrained(str(tmp_path / "probe"), local_files_only=True)
-    messages = [
+    messages: list[dict[str, Any]] = [
         {"role": "user", "content": "Hi", "name": "ann", "meta": {"tags": ["a", "b"]}},
         {"role": "assistant", "content": "Hello", "name": None},
     ]

@@ -95,7 +95,8 @@ def kv_aware(
     w_load, w_decode, w_host = config.load, config.decode, config.host_hit
     penalty = _MEMORY_PENALTY_PROMPTS * num_tokens
     affinity = config.session * num_tokens
-    # Seconds -> prefill tokens at the fastest reported speed (1 when none reports one).
+    # Seconds -> prefill tokens at the fastest reported speed (0 when none reports one: then
+    # every candidate is costed in tokens).
     reference = min((c.prefill_s for c in candidates if c.prefill_s > 0), default=0.0)
     costs: list[Cost] = []
     loads: list[float] = []
