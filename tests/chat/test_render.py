@@ -17,28 +17,9 @@ from transformers import AutoTokenizer
 
 from app.chat.schemas import ChatCompletionRequest
 from app.chat.tokenizer import ChatTemplateError, ModelTokenizer
-from tests.support.chat_models import CONVERSATIONS, PREFILLS, STYLES, WEATHER_TOOL, tokenizer_dir
+from tests.support.chat_models import CONVERSATIONS, PREFILLS, STYLES, WEATHER_TOOL
 
 CHATS = [(style, name) for style in STYLES for name in CONVERSATIONS[style]]
-
-
-@pytest.fixture(scope="module")
-def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("chat_models")
-    return {style: tokenizer_dir(root, style) for style in STYLES}
-
-
-@pytest.fixture(scope="module")
-def ours(dirs: dict[str, Path]) -> dict[str, ModelTokenizer]:
-    return {style: ModelTokenizer.load(path) for style, path in dirs.items()}
-
-
-@pytest.fixture(scope="module")
-def theirs(dirs: dict[str, Path]) -> dict[str, Any]:
-    return {
-        style: AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-        for style, path in dirs.items()
-    }
 
 
 def _transformers_text(tokenizer: Any, messages: list[Any], **options: Any) -> str:

@@ -19,7 +19,6 @@ from typing import Any
 
 import pytest
 from tokenizers import Tokenizer
-from transformers import AutoTokenizer
 
 from app.chat.schemas import ChatCompletionRequest
 from app.chat.tokenizer import ChatTemplateError, ModelTokenizer, TokenizerLoadError
@@ -45,25 +44,6 @@ MISTRAL_ALTERNATION = (
     "After the optional system message, conversation roles must alternate "
     "user/assistant/user/assistant/..."
 )
-
-
-@pytest.fixture(scope="module")
-def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("chat_models")
-    return {style: tokenizer_dir(root, style) for style in STYLES}
-
-
-@pytest.fixture(scope="module")
-def ours(dirs: dict[str, Path]) -> dict[str, ModelTokenizer]:
-    return {style: ModelTokenizer.load(path) for style, path in dirs.items()}
-
-
-@pytest.fixture(scope="module")
-def theirs(dirs: dict[str, Path]) -> dict[str, Any]:
-    return {
-        style: AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-        for style, path in dirs.items()
-    }
 
 
 def _file_tokenizer(directory: Path) -> Tokenizer:
