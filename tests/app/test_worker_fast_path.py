@@ -104,10 +104,8 @@ def _normalised(answer: dict[str, Any]) -> dict[str, Any]:
     return answer
 
 
-async def _answers(
-    redis_url: str, use_fast_path: bool, monkeypatch: pytest.MonkeyPatch
-) -> list[tuple[int, dict[str, Any], dict[str, str], bool]]:
-    """Each case's status, body, headers, and whether the fast path took it."""
+def _record_fast_path(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Whether the fast path took each request, in order (``plain_job`` recorded)."""
     taken: list[bool] = []
     plain_job = fast_path.plain_job
 
@@ -117,6 +115,14 @@ async def _answers(
         return job
 
     monkeypatch.setattr(fast_path, "plain_job", recording)
+    return taken
+
+
+async def _answers(
+    redis_url: str, use_fast_path: bool, monkeypatch: pytest.MonkeyPatch
+) -> list[tuple[int, dict[str, Any], dict[str, str], bool]]:
+    """Each case's status, body, headers, and whether the fast path took it."""
+    taken = _record_fast_path(monkeypatch)
     settings = worker_settings(redis_url, virtual_clock=True)
     results = []
     async with asgi_client(create_app(settings, fast_path=use_fast_path), "http://worker") as (
@@ -216,15 +222,7 @@ async def test_the_engine_refuses_alike_on_both_paths(
 async def test_the_front_leaves_streamed_expecting_and_oversized_bodies_to_the_framework(
     clean_redis_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    taken: list[bool] = []
-    plain_job = fast_path.plain_job
-
-    def recording(runtime: WorkerRuntime, body: bytes, shape: ModelShape) -> Job | None:
-        job = plain_job(runtime, body, shape)
-        taken.append(job is not None)
-        return job
-
-    monkeypatch.setattr(fast_path, "plain_job", recording)
+    taken = _record_fast_path(monkeypatch)
     body = orjson.dumps({"prompt": [1, 2, 3], "max_tokens": 2})
 
     async def chunks() -> Any:

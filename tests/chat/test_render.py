@@ -110,17 +110,6 @@ def test_values_that_are_not_strings_none_and_reasoning_render_as_transformers(
     assert messages[2]["content"] is None
 
 
-def test_template_variables_render_as_transformers(
-    ours: dict[str, ModelTokenizer], theirs: dict[str, Any]
-) -> None:
-    chat = CONVERSATIONS["llama3"]["tools"]
-    variables = {"date_string": "01 Jan 2025", "tools_in_user_message": False}
-    options: dict[str, Any] = {"tools": chat["tools"], "add_generation_prompt": True}
-    text = ours["llama3"].render_chat(chat["messages"], template_kwargs=variables, **options)
-    assert text == _transformers_text(theirs["llama3"], chat["messages"], **options, **variables)
-    assert "Today Date: 01 Jan 2025\n\n" in text
-
-
 def test_an_openai_request_renders_as_transformers(
     ours: dict[str, ModelTokenizer], theirs: dict[str, Any]
 ) -> None:

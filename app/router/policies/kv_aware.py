@@ -71,11 +71,7 @@ class KvAwareConfig:
 @lru_cache(maxsize=64)  # one per weights a router uses: built once, not per decision
 def config(weights: Weights) -> KvAwareConfig:
     return KvAwareConfig(
-        weights.load,
-        weights.decode,
-        weights.host_hit,
-        weights.temperature,
-        weights.session,
+        weights.load, weights.decode, weights.host_hit, weights.temperature, weights.session
     )
 
 
