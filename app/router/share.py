@@ -6,17 +6,26 @@ as one router would, instead of each knowing only its own burst (the failure Dyn
 llm-d #1946 describe).
 
 Wire: ``kvmesh:{routers}:decisions`` (``events.keys``), one entry per flight change, fields
-``r`` (router id), ``k`` (``b`` begun, ``p`` prefilled, ``f`` finished), ``q`` (request id), and
-on ``b`` also ``w`` (worker), ``t`` (uncached prompt tokens), ``n`` (blocks) and ``h`` (the
-prompt's block hashes, 8 bytes each, little-endian). ``XADD ... MAXLEN ~`` keeps it bounded.
-Publishing never waits on Redis: entries queue in memory and a task writes them in one pipeline
-every ``flush_interval_s``; if Redis does not answer they are dropped (counted), and the others'
-views heal as below.
+``r`` (router id), ``k`` (``b`` begun, ``p`` prefilled, ``f`` finished, ``h`` hello), ``q``
+(request id), ``a`` on a hello (1 when it answers one), and on ``b`` also ``w`` (worker), ``t``
+(uncached prompt tokens), ``n`` (blocks) and ``h`` (the prompt's block hashes, 8 bytes each,
+little-endian). ``XADD ... MAXLEN ~`` keeps it bounded. Publishing never waits on Redis: entries
+queue in memory and a task writes them in one pipeline every ``flush_interval_s``; if Redis does
+not answer they are dropped (counted), and the others' views heal as below.
+
+Who listens: a router publishes its flights only while it knows another router is alive. A
+router says hello (``k`` ``h``) when it starts and whenever its heartbeat key had vanished (Redis
+restarted empty, or it stalled past the TTL); a router that reads one answers it (``a`` 1:
+an answer is not answered). A router alone (the common case) thus writes nothing per request,
+where it wrote three entries and read them back: half the Redis writes of a proxied completion.
+A flight begun before the others were known is not shared, as a flight begun before a router
+started is not: its end is not published either.
 
 Liveness: each router refreshes ``kvmesh:{routers}:alive:<id>`` (TTL ``alive_ttl_s``); a router
-whose key is gone (it died mid-request, or Redis restarted empty) has its flights ended in every
-other router at the next check, and a flight older than ``max_flight_s`` ends anyway (its end
-was lost). A stream entry that does not parse is counted and skipped.
+whose key is gone (it died mid-request, or Redis restarted empty) is no longer listened for and
+has its flights ended in every other router at the next check, and a flight older than
+``max_flight_s`` ends anyway (its end was lost). A stream entry that does not parse is counted
+and skipped.
 """
 
 from __future__ import annotations
@@ -79,24 +88,38 @@ class DecisionShare:
         self._tasks: list[asyncio.Task[None]] = []
         self._closing = False
         self.num_published = 0
+        self.num_hellos = 0
         self.bytes_published = 0
         self.num_dropped = 0
         self.num_applied = 0
         self.num_malformed = 0
         self.num_forgotten = 0
-        self.others: set[str] = set()  # routers whose flights we hold
+        self.others: set[str] = set()  # the other routers known alive: they listen
         core.flight_hooks.append(self._on_flight)
 
     # -- publishing ----------------------------------------------------------------------------
 
     def _on_flight(self, kind: str, flight: InFlight, block_hashes: Sequence[int]) -> None:
+        if kind == "begin":
+            if not self.others:  # nobody listens
+                return
+            flight.shared = True
+        elif not flight.shared:  # the others never saw it begin
+            return
         entry: dict[Any, Any] = {"r": self.instance, "k": kind[0]}
         entry["q"] = flight.request_id
         if kind == "begin":
             entry.update(w=flight.worker, t=flight.prefill_tokens, n=flight.blocks)
             entry["h"] = np.asarray(block_hashes, dtype="<u8").tobytes()
+        self._publish(entry)
+
+    def _publish(self, entry: dict[Any, Any]) -> None:
         self._queue.append(entry)
         self._wake.set()
+
+    def _hello(self, answer: bool = False) -> None:
+        self.num_hellos += 1
+        self._publish({"r": self.instance, "k": "h", "a": int(answer)})
 
     async def _flush_loop(self) -> None:
         while True:
@@ -117,10 +140,11 @@ class DecisionShare:
                     "router %s: sharing failed, %d dropped: %s", self.router_id, len(batch), exc
                 )
                 continue
-            self.num_published += len(batch)
+            self.num_published += sum(entry["k"] != "h" for entry in batch)
             self.bytes_published += sum(
                 len(k) + len(v if isinstance(v, (bytes, str)) else str(v))
                 for entry in batch
+                if entry["k"] != "h"
                 for k, v in entry.items()
             )
 
@@ -152,7 +176,13 @@ class DecisionShare:
             router = fields[b"r"].decode()
             if router == self.instance:
                 return
-            kind, request_id = fields[b"k"], fields[b"q"].decode()
+            kind = fields[b"k"]
+            if kind == b"h":  # a router that listens; unless answering ours, it may not know us
+                self.others.add(router)
+                if fields[b"a"] == b"0":
+                    self._hello(answer=True)
+                return
+            request_id = fields[b"q"].decode()
             core = self.core
             if kind == b"b":
                 hashes = np.frombuffer(fields[b"h"], dtype="<u8").tolist()
@@ -182,7 +212,10 @@ class DecisionShare:
             try:
                 async with self.redis.pipeline(transaction=False) as pipe:
                     pipe.set(
-                        keys.router_alive_key(self.instance), 1, px=int(self.alive_ttl_s * 1e3)
+                        keys.router_alive_key(self.instance),
+                        1,
+                        px=int(self.alive_ttl_s * 1e3),
+                        get=True,
                     )
                     others = sorted(self.others)
                     for other in others:
@@ -191,6 +224,8 @@ class DecisionShare:
             except REDIS_ERRORS as exc:
                 logger.warning("router %s: heartbeat failed: %s", self.router_id, exc)
             else:
+                if answers[0] is None:  # first beat, or our key was lost: say who we are
+                    self._hello()
                 for other, alive in zip(others, answers[1:], strict=True):
                     if not alive:  # it died (or Redis restarted empty): its flights end
                         self.num_forgotten += self.core.forget_remote(router=other)
@@ -230,6 +265,7 @@ class DecisionShare:
             "router_id": self.router_id,
             "instance": self.instance,
             "published": self.num_published,
+            "hellos": self.num_hellos,
             "dropped": self.num_dropped,
             "applied": self.num_applied,
             "malformed": self.num_malformed,

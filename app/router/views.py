@@ -148,3 +148,4 @@ class InFlight:
     prefilled: bool = False
     router: str = ""  # another router's id, for a flight it shared; "" for this router's own
     started_at: float = 0.0  # the core's clock when it began (for the remote ones' age)
+    shared: bool = False  # its begin was published to the other routers (app.router.share)

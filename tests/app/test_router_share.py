@@ -47,6 +47,8 @@ async def _shares(
     await a.start()
     await b.start()
     try:
+        # Each has said hello and heard the other's (a router alone publishes nothing).
+        await eventually(lambda: a.others == {b.instance} and b.others == {a.instance})
         yield a, b
     finally:
         for share, client in ((a, clients[0]), (b, clients[1])):
@@ -87,6 +89,49 @@ async def test_a_routers_flights_reach_the_other(clean_redis_url: str) -> None:
         await client.xadd(keys.DECISIONS_KEY, {"r": "rx", "k": "b", "q": "x"})
         await client.aclose()
         await eventually(lambda: b.stats()["malformed"] == 1)
+
+
+async def test_a_router_alone_publishes_nothing(clean_redis_url: str) -> None:
+    clients: list[Any] = [aioredis.Redis.from_url(clean_redis_url) for _ in range(2)]
+    a = DecisionShare(clients[0], "ra", _core())
+    await a.start()
+    b: DecisionShare | None = None
+    try:
+        await eventually(lambda: a.stats()["hellos"] == 1)
+        hashes = a.core.hashes(list(range(64)))
+        a.core.begin("alone", a.core.decide(hashes, 64), hashes, 64)
+        a.core.prefilled("alone")
+        await eventually(lambda: a._queue == [])
+        stream = await clients[0].xrange(keys.DECISIONS_KEY)
+        assert [fields[b"k"] for _, fields in stream] == [b"h"]  # its hello, no flight
+
+        b = DecisionShare(clients[1], "rb", _core())
+        await b.start()
+        await eventually(lambda: a.others == {b.instance} and b.others == {a.instance})
+        a.core.begin("shared", a.core.decide(hashes, 64), hashes, 64)
+        await eventually(lambda: (a.instance, "shared") in b.core.remote)
+        # The flight begun alone was never seen to begin: its end is not published.
+        a.core.finish("alone")
+        a.core.finish("shared")
+        await eventually(lambda: not b.core.remote)
+        stream = await clients[0].xrange(keys.DECISIONS_KEY)
+        entries = [(f[b"r"].decode(), f[b"k"], f.get(b"a"), f.get(b"q")) for _, f in stream]
+        assert entries == [
+            (a.instance, b"h", b"0", None),
+            (b.instance, b"h", b"0", None),  # b's start
+            (a.instance, b"h", b"1", None),  # a's answer
+            (a.instance, b"b", None, b"shared"),
+            (a.instance, b"p", None, b"shared"),
+            (a.instance, b"f", None, b"shared"),
+        ]
+        assert (a.stats()["published"], a.stats()["hellos"], b.stats()["hellos"]) == (3, 2, 1)
+        assert b.stats()["applied"] == 3
+    finally:
+        for share in (a, b):
+            if share is not None:
+                await share.aclose()
+        for client in clients:
+            await client.aclose()
 
 
 async def test_a_dead_routers_flights_end(clean_redis_url: str) -> None:
