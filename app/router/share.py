@@ -208,24 +208,22 @@ class DecisionShare:
 
     async def _alive_loop(self) -> None:
         interval = self.alive_ttl_s / 3
+        ttl_ms = int(self.alive_ttl_s * 1e3)
         while True:
             try:
                 async with self.redis.pipeline(transaction=False) as pipe:
-                    pipe.set(
-                        keys.router_alive_key(self.instance),
-                        1,
-                        px=int(self.alive_ttl_s * 1e3),
-                        get=True,
-                    )
+                    # XX: refreshed only if it is there (a SET ... GET would need read access).
+                    pipe.set(keys.router_alive_key(self.instance), 1, px=ttl_ms, xx=True)
                     others = sorted(self.others)
                     for other in others:
                         pipe.exists(keys.router_alive_key(other))
                     answers = await pipe.execute()
+                if answers[0] is None:  # first beat, or our key was lost: say who we are
+                    await self.redis.set(keys.router_alive_key(self.instance), 1, px=ttl_ms)
+                    self._hello()
             except REDIS_ERRORS as exc:
                 logger.warning("router %s: heartbeat failed: %s", self.router_id, exc)
             else:
-                if answers[0] is None:  # first beat, or our key was lost: say who we are
-                    self._hello()
                 for other, alive in zip(others, answers[1:], strict=True):
                     if not alive:  # it died (or Redis restarted empty): its flights end
                         self.num_forgotten += self.core.forget_remote(router=other)

@@ -31,6 +31,7 @@ from app.core.redis import RedisCredentialsError
 from app.dashboard.settings import DashboardSettings
 from app.services import dashboard_app, router_app
 from app.worker.app import create_app as worker_app
+from events.keys import DECISIONS_KEY
 from events.redis_io import redis_client
 from tests.app.redis_secure import ROUTER_RULES, SHARED_RULES, WORKER_RULES, SecureRedis
 from tests.app.router_support import router_client, router_settings
@@ -401,6 +402,9 @@ async def test_worker_refuses_a_prompt_over_its_window(clean_redis_url: str) -> 
 # -- the dashboard is read-only ------------------------------------------------------------------
 
 
+_DECISIONS = DECISIONS_KEY.encode()
+
+
 def _redis_keys(url: str) -> dict[bytes, bytes]:
     """Every key with its type, but the ones that change on their own (heartbeat and load)."""
     with redis.Redis.from_url(url) as client:
@@ -427,6 +431,8 @@ async def test_the_dashboard_answers_only_get(clean_redis_url: str, routing: boo
         view = app.state.runtime.view if routing else app.state.view
         await worker.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 1})
         await eventually(lambda: view.index.stats()["per_worker"].get("w0", {}).get("blocks"))
+        if routing:  # the router's hello to other routers (app.router.share) is written
+            await eventually(lambda: _DECISIONS in _redis_keys(clean_redis_url))
         keys = _redis_keys(clean_redis_url)
         index = view.index.stats()
         for path in paths:
