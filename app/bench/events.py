@@ -32,6 +32,12 @@ applies, one sample: the time from the ``publish()`` of the oldest batch in the 
 moment the entry's events are in the index (so a sample is the worst latency of the batches in
 its entry). ``latency_p50_ms``, ``latency_p99_ms``.
 
+Phase 3, reads: paced as phase 2 but ten times faster (100,000 block events/s, the stream of a
+fleet serving a few hundred 4k-token requests a second), twice: the consumer reading as soon as
+anything is there, then at most every 5 ms (``read_interval_s``: a router's and a dashboard's
+``--event-read-interval-ms 5``). ``reads_per_s_*``: XREADs a second; ``reads_cpu_s_*``:
+the consumer's CPU seconds; ``reads_latency_p50_ms_*``/``..._p99_ms_*`` as in phase 2.
+
 Every phase ends by checking that the consumer's index equals each manager's final reuse tree,
 block by block and tier by tier (``index_exact``); the run fails otherwise, or if anything was
 dropped or resynchronised on the way.
@@ -76,6 +82,10 @@ THROUGHPUT_REQUESTS_QUICK = 40
 LATENCY_RATE = 10_000  # block events per second, all publishers together
 LATENCY_SECONDS = 8.0
 LATENCY_SECONDS_QUICK = 1.0
+READS_RATE = 100_000
+READS_SECONDS = 3.0
+READS_SECONDS_QUICK = 0.5
+READ_INTERVALS_S = (0.0, 0.005)
 TIMEOUT_S = 120.0
 
 
@@ -172,15 +182,23 @@ def record(
 
 
 def _consumer_process(
-    url: str, expected: dict[str, int], trees: dict[str, dict[int, int]], conn: Connection
+    url: str,
+    expected: dict[str, int],
+    trees: dict[str, dict[int, int]],
+    conn: Connection,
+    read_interval_s: float,
 ) -> None:
-    result = asyncio.run(_consume(url, expected, trees, conn))
+    result = asyncio.run(_consume(url, expected, trees, conn, read_interval_s))
     conn.send(result)
     conn.close()
 
 
 async def _consume(
-    url: str, expected: dict[str, int], trees: dict[str, dict[int, int]], conn: Connection
+    url: str,
+    expected: dict[str, int],
+    trees: dict[str, dict[int, int]],
+    conn: Connection,
+    read_interval_s: float,
 ) -> dict[str, Any]:
     latencies_ms: list[float] = []
     last_apply = 0.0
@@ -200,14 +218,17 @@ async def _consume(
             if not remaining:
                 done.set()
 
-    consumer = EventConsumer(url, ConsumerConfig(registry_interval_s=0.1), on_entry=on_entry)
+    config = ConsumerConfig(registry_interval_s=0.1, read_interval_s=read_interval_s)
+    consumer = EventConsumer(url, config, on_entry=on_entry)
     async with consumer:
         while any(consumer.last_seq(w) is None for w in expected):
             await asyncio.sleep(0.005)
         conn.send("ready")
         cpu_start = time.process_time()
+        reads_start = consumer.num_reads
         await asyncio.wait_for(done.wait(), TIMEOUT_S)
         cpu_s = time.process_time() - cpu_start
+        reads = consumer.num_reads - reads_start
         exact = all(
             consumer.index.worker_blocks(w) == trees[w]
             if w in consumer.index.workers()
@@ -221,6 +242,7 @@ async def _consume(
         "exact": exact,
         "stats": stats,
         "cpu_s": cpu_s,
+        "reads": reads,
     }
 
 
@@ -269,7 +291,9 @@ async def _publish(
     return result
 
 
-def _phase(url: str, recordings: list[Recording], rate: float | None) -> dict[str, Any]:
+def _phase(
+    url: str, recordings: list[Recording], rate: float | None, read_interval_s: float = 0.0
+) -> dict[str, Any]:
     # The forked consumer inherits the recordings: freezing them keeps its garbage collector
     # from walking (and copying, page by page) millions of objects it never uses.
     gc.collect()
@@ -279,7 +303,9 @@ def _phase(url: str, recordings: list[Recording], rate: float | None) -> dict[st
     expected = {rec.worker_id: rec.last_seq for rec in recordings}
     trees = {rec.worker_id: rec.tree for rec in recordings}
     process = context.Process(
-        target=_consumer_process, args=(url, expected, trees, child_conn), daemon=True
+        target=_consumer_process,
+        args=(url, expected, trees, child_conn, read_interval_s),
+        daemon=True,
     )
     process.start()
     try:
@@ -337,12 +363,34 @@ def measure(url: str, *, quick: bool, embedded: bool) -> dict[str, Any]:
         )
         for i in range(NUM_WORKERS)
     ]
+    reads_seconds = READS_SECONDS_QUICK if quick else READS_SECONDS
+    fast = {
+        interval: [
+            record(
+                f"bench-{run_id}-r{interval * 1e3:g}-{i}",
+                SEED + 200 + i,
+                min_block_events=int(READS_RATE / NUM_WORKERS * reads_seconds),
+            )
+            for i in range(NUM_WORKERS)
+        ]
+        for interval in READ_INTERVALS_S
+    }
     generate_seconds = time.perf_counter() - generate_start
 
     throughput = _phase(url, bulk, None)
     throughput_gpu_only = _phase(url, gpu_only, None)
     latency = _phase(url, paced, LATENCY_RATE)
     samples = latency["latencies_ms"]
+    reads: dict[str, Any] = {"reads_rate_block_events_per_s": READS_RATE}
+    for interval, recordings in fast.items():
+        result = _phase(url, recordings, READS_RATE, interval)
+        name = f"{interval * 1e3:g}ms"
+        seconds = result["seconds"]
+        reads[f"reads_per_s_{name}"] = round(result["reads"] / seconds)
+        reads[f"reads_cpu_s_{name}"] = round(result["cpu_s"], 3)
+        reads[f"reads_entries_{name}"] = result["stats"]["entries"]
+        reads[f"reads_latency_p50_ms_{name}"] = round(statistics.median(result["latencies_ms"]), 3)
+        reads[f"reads_latency_p99_ms_{name}"] = round(_percentile(result["latencies_ms"], 0.99), 3)
     return {
         "workers": NUM_WORKERS,
         "embedded_redis": embedded,
@@ -368,6 +416,7 @@ def measure(url: str, *, quick: bool, embedded: bool) -> dict[str, Any]:
         "latency_p50_ms": round(statistics.median(samples), 3),
         "latency_p99_ms": round(_percentile(samples, 0.99), 3),
         "latency_max_ms": round(max(samples), 3),
+        **reads,
         "index_exact": True,
         "generate_seconds": round(generate_seconds, 2),
     }

@@ -68,6 +68,7 @@ class ViewConfig:
     sync_interval_s: float = 0.05
     max_lag_ms: float = 2_000.0
     step_budget_s: float = 0.010
+    read_interval_s: float = 0.0  # the consumer's XREADs, at most this often (0: at once)
 
 
 class ClusterView:
@@ -82,7 +83,9 @@ class ClusterView:
         self.sync_hooks: list[Callable[[], None]] = []  # after every sync round
         self.consumer = EventConsumer(
             redis,
-            ConsumerConfig(step_budget_s=config.step_budget_s),
+            ConsumerConfig(
+                step_budget_s=config.step_budget_s, read_interval_s=config.read_interval_s
+            ),
             index=self.index,
             on_entry=self._on_entry,
         )

@@ -23,10 +23,17 @@ class DashboardSettings(Settings):
     step_budget_ms: float = Field(
         10.0, gt=0, description="longest the consumer holds the event loop at a time"
     )
+    event_read_interval_ms: float = Field(
+        0.0,
+        ge=0,
+        description="read the workers' event streams at most this often (what they flush "
+        "meanwhile comes in one read: fewer reads, an index up to this much later; 0: at once)",
+    )
 
     def view_config(self) -> ViewConfig:
         return ViewConfig(
             load_interval_s=self.load_interval_s,
             max_lag_ms=self.max_lag_ms,
             step_budget_s=self.step_budget_ms / 1000,
+            read_interval_s=self.event_read_interval_ms / 1000,
         )

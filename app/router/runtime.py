@@ -55,6 +55,7 @@ def view_config(settings: RouterSettings) -> ViewConfig:
         sync_interval_s=settings.sync_interval_s,
         max_lag_ms=settings.max_lag_ms,
         step_budget_s=settings.step_budget_ms / 1000,
+        read_interval_s=settings.event_read_interval_ms / 1000,
     )
 
 

@@ -97,6 +97,12 @@ class RouterSettings(Settings):
     step_budget_ms: float = Field(
         10.0, gt=0, description="longest the consumer holds the event loop at a time"
     )
+    event_read_interval_ms: float = Field(
+        0.0,
+        ge=0,
+        description="read the workers' event streams at most this often (what they flush "
+        "meanwhile comes in one read: fewer reads, an index up to this much later; 0: at once)",
+    )
     proxy_timeout_s: float = Field(600.0, gt=0, description="limit on one proxied request")
     connect_timeout_s: float = Field(2.0, gt=0, description="limit on connecting to a worker")
     retry_after_s: int = Field(1, ge=0, description="Retry-After of a 503 when no worker is up")

@@ -19,6 +19,9 @@ class ConsumerConfig:
     """How a consumer reads the streams; times in seconds unless the name says otherwise."""
 
     block_ms: int = 100  # one XREAD waits this long for entries at most (milliseconds)
+    # At most one XREAD this often (0: at once): what arrives meanwhile comes in one reply. An
+    # XREAD costs ~170 us beside its entries, and busy workers flush at their own moments.
+    read_interval_s: float = 0.0
     count: int = 256  # one XREAD returns this many entries per stream at most
     registry_interval_s: float = 0.5  # read the registry (and Redis's run_id) this often
     liveness_interval_s: float = 0.5  # read every worker's heartbeat key this often
@@ -46,6 +49,7 @@ class ConsumerConfig:
             ("liveness_interval_s", self.liveness_interval_s),
             ("resync_delay_s", self.resync_delay_s),
             ("step_budget_s", self.step_budget_s),
+            ("read_interval_s", self.read_interval_s),
             ("stale_after_s", self.stale_after_s),
             ("restart_hold_s", self.restart_hold_s),
         ):

@@ -8,9 +8,10 @@ after an error (``events.redis_io.Backoff``; a Redis error makes the next round 
    ``run_id``, then the registry, then the heartbeats (``Registry``, ``Liveness``);
 2. the resynchronisations that are due (``Resyncer.resync``);
 3. one blocking ``XREAD`` over the streams of every synchronised worker (``block_ms``, at most
-   ``count`` entries per stream; on a Redis Cluster one per stream, at once), and the entries
-   it returns applied (``Applier``), the event loop given back whenever ``step_budget_s`` has
-   passed, so that a router sharing the loop never waits longer than that plus one entry.
+   ``count`` entries per stream; on a Redis Cluster one per stream, at once), sent no sooner
+   than ``read_interval_s`` after the last, and the entries it returns applied (``Applier``),
+   the event loop given back whenever ``step_budget_s`` has passed, so that a router sharing
+   the loop never waits longer than that plus one entry.
 
 This task is the index's only writer: the parts it calls are plain objects that start no task.
 The queries (``workers``, ``last_seq``, ``stats``, ``lag``) only read.
@@ -77,6 +78,8 @@ class EventConsumer:
 
         self._next_registry_at = 0.0
         self._next_liveness_at = 0.0
+        self.last_read_at = 0.0  # time.monotonic() when the last XREAD was sent
+        self.num_reads = 0
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
         self._backoff = Backoff(
@@ -167,6 +170,11 @@ class EventConsumer:
             block_s = self.config.block_ms / 1000
             await asyncio.sleep(min(max(deadline - time.monotonic(), 0.001), block_s))
             return
+        wait = self.last_read_at + self.config.read_interval_s - time.monotonic()
+        if wait > 0:  # gather what the workers flush meanwhile into one reply
+            await asyncio.sleep(wait)
+        self.last_read_at = time.monotonic()
+        self.num_reads += 1
         reply = await self._read(streams)
         await self._apply_reply(reply)
         if self._applier.oversized_read:
@@ -225,6 +233,7 @@ class EventConsumer:
         return {
             "workers": len(states),
             "synced_workers": sum(s.synced for s in states),
+            "reads": self.num_reads,
             "entries": c.num_entries,
             "events": c.num_events,
             "blocks": c.num_blocks,

@@ -35,6 +35,12 @@ KEYS = {
     "gpu_only_events",
     "gpu_only_consumer_cpu_s",
     "gpu_only_publisher_cpu_s",
+    "reads_rate_block_events_per_s",
+    *(
+        f"reads_{figure}_{interval}"
+        for figure in ("per_s", "cpu_s", "entries", "latency_p50_ms", "latency_p99_ms")
+        for interval in ("0ms", "5ms")
+    ),
 }
 
 
@@ -73,3 +79,6 @@ def test_quick_run_prints_the_json_last(
     assert result["throughput_block_events"] > 4 * 40 * 128
     assert 0 < result["latency_p50_ms"] <= result["latency_p99_ms"] <= result["latency_max_ms"]
     assert result["latency_samples"] > 10
+    # At most one read per 5 ms: what the workers flush meanwhile comes in one reply.
+    assert result["reads_per_s_5ms"] <= 210 < result["reads_per_s_0ms"]  # 200, and one more
+    assert result["reads_entries_0ms"] > 0 and result["reads_entries_5ms"] > 0

@@ -144,6 +144,7 @@ async def test_a_worker_caught_up_exactly_with_its_heartbeat_is_not_stale(
         ({"liveness_interval_s": float("nan")}, "liveness_interval_s must be >= 0"),
         ({"resync_delay_s": -1.0}, "resync_delay_s must be >= 0"),
         ({"step_budget_s": -0.001}, "step_budget_s must be >= 0"),
+        ({"read_interval_s": -0.001}, "read_interval_s must be >= 0"),
         ({"stale_after_s": -1.0}, "stale_after_s must be >= 0"),
         ({"restart_hold_s": -1.0}, "restart_hold_s must be >= 0"),
         ({"resync_delay_s": 2.0}, "resync_delay_max_s must be >= resync_delay_s"),

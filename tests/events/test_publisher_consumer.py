@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import itertools
 from typing import Any
 
 import pytest
@@ -256,6 +257,36 @@ async def test_lag_counts_unread_entries(clean_redis_url: str) -> None:
             while consumer.last_seq("w0") != 4:
                 await consumer.step()
             assert (await consumer.lag())["w0"]["entries"] == 0
+    finally:
+        await consumer.aclose()
+
+
+@pytest.mark.parametrize("interval_s", [0.0, 0.3])
+async def test_reads_are_at_most_one_per_read_interval(
+    clean_redis_url: str, interval_s: float
+) -> None:
+    """An entry that arrives right after a read waits for the next read, no sooner than
+    ``read_interval_s`` after the last: what comes meanwhile arrives in one reply."""
+    publisher = EventPublisher(clean_redis_url, "w0", PublisherConfig(linger_s=0))
+    consumer = make_consumer(clean_redis_url, read_interval_s=interval_s)  # stepped here
+    try:
+        async with publisher:
+            while consumer.last_seq("w0") != -1:
+                await consumer.step()
+            reads = consumer.stats()["reads"]
+            times = []
+            for event_id in range(3):
+                publisher.publish([KVCacheEvent(event_id, RemovedData([7]), 64)])
+                await publisher.flush(5)
+                await consumer.step()  # one read each: the entry is there
+                times.append(consumer.last_read_at)
+                assert consumer.last_seq("w0") == event_id
+            assert consumer.stats()["reads"] == reads + 3
+            gaps = [later - earlier for earlier, later in itertools.pairwise(times)]
+            if interval_s:
+                assert min(gaps) >= interval_s
+            else:
+                assert max(gaps) < 0.25  # read at once
     finally:
         await consumer.aclose()
 
