@@ -8,19 +8,27 @@
   stream tail. After each round it calls the ``sync_hooks`` (the router copies the members into
   its ``RouterCore`` there).
 
-The three reads of a worker are one Lua script (``_MEMBER_SCRIPT``) on its three keys, which
-share its hash tag. The stream is asked for the first entry the consumer has not read, and the
-script answers its id alone: ``XINFO STREAM``, read before for the stream's last id, answers the
-whole first and last entries with it, and an event batch can be 100 KB, so ten reads a second of
-16 workers moved tens of MB and cost an idle router 7% of a core. Where scripts are refused (an
-ACL without ``EVALSHA_RO``, say) the view logs it once and sends the three commands instead.
+For the index's lag the stream is asked for the first entry the consumer has not read (``XRANGE
+(pos + COUNT 1``: nothing when it is up to date). ``XINFO STREAM``, read before for the
+stream's last id, answers the whole first and last entries with it, and an event batch can be
+100 KB: ten reads a second of 16 workers moved tens of MB and cost an idle router 7% of a core.
+
+A worker whose heartbeat key is gone is not dropped here: the sync loop asks the consumer to
+check at once, and the worker leaves when the consumer expires it (within about 0.2 s). The
+consumer decides because Redis also loses every heartbeat when it restarts empty: the consumer
+then holds each worker for its heartbeat TTL, and readers keep routing to them meanwhile.
+
+Cordons read from Redis replace the last ones read, but a cordon that vanished is written back
+when Redis has restarted since (it needs no persistence, and an empty restart must not put a
+cordoned worker back in rotation); a read sent before this process's own cordon write is
+skipped. While Redis does not answer, every member is stale (``redis_unreachable``) and readers
+go on with what was last known.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import json
 import logging
 import time
@@ -29,7 +37,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from redis.asyncio import Redis
-from redis.exceptions import NoScriptError, ResponseError
 
 from app.cluster.fleet import Cordon, CordonState, clear_cordon, parse_cordons, set_cordon
 from app.cluster.members import Member, id_key, id_text, parse_load
@@ -44,20 +51,6 @@ from events.redis_io import REDIS_ERRORS, raise_if_cancelled, redis_client
 __all__ = ["ClusterView", "ViewConfig"]
 
 logger = logging.getLogger(__name__)
-
-
-# KEYS: a worker's load hash, heartbeat key and events stream; ARGV: the position read up to
-# (exclusive "(id") -> {the load hash's fields and values (false: not a hash), the heartbeat's
-# PTTL, the id of the first entry not read yet (false: none)}.
-_MEMBER_SCRIPT = """
-local load = redis.pcall('HGETALL', KEYS[1])
-if load.err then load = false end
-local unread = redis.pcall('XRANGE', KEYS[3], ARGV[1], '+', 'COUNT', 1)
-local first = false
-if not unread.err and unread[1] then first = unread[1][1] end
-return {load, redis.call('PTTL', KEYS[2]), first}
-"""
-_MEMBER_SHA = hashlib.sha1(_MEMBER_SCRIPT.encode()).hexdigest()
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,9 +91,6 @@ class ClusterView:
         self.synced_once = False
         self.num_sync_errors = 0
         self._next_load_at = 0.0
-        # How the member script is sent: EVALSHA_RO (Redis 7: a read-only ACL user may), EVALSHA
-        # (Redis 6.2 has no _RO), or None once Redis refused both: the plain commands.
-        self.script_command: str | None = "EVALSHA_RO"
         self._task: asyncio.Task[None] | None = None
 
     @classmethod
@@ -195,44 +185,20 @@ class ClusterView:
     async def _read_members(self, members: list[Member]) -> tuple[Any, list[list[Any]]]:
         """The cordons hash, and each member's [load hash, heartbeat PTTL, the id of the first
         stream entry the consumer has not read (None: it is up to date)]."""
-        loaded = False
-        while True:
-            command = self.script_command
-            async with self.redis.pipeline(transaction=False) as pipe:
-                # Always at least this: redis_ok (and /ready) is true only when Redis answers.
-                pipe.hgetall(keys.CORDONS_KEY)
-                for member in members:
-                    worker = member.worker
-                    load_key, alive_key = keys.load_key(worker), keys.alive_key(worker)
-                    events_key, after = member.follow.key, f"({id_text(member.follow.pos)}"
-                    if command is not None:
-                        args = (load_key, alive_key, events_key, after)
-                        pipe.execute_command(command, _MEMBER_SHA, 3, *args)
-                    else:
-                        pipe.hgetall(load_key)
-                        pipe.pttl(alive_key)
-                        pipe.xrange(events_key, min=after, max="+", count=1)
-                cordons_raw, *replies = await pipe.execute(raise_on_error=False)
-            if command is None:
-                triples = zip(replies[::3], replies[1::3], replies[2::3], strict=True)
-                return cordons_raw, [_member_reply(*triple) for triple in triples]
-            refused = next((r for r in replies if isinstance(r, ResponseError)), None)
-            if refused is None:
-                return cordons_raw, [_script_reply(reply) for reply in replies]
-            if isinstance(refused, NoScriptError) and not loaded:
-                loaded = True  # a new (or flushed) Redis: load it, then once more
-                try:
-                    await self.redis.script_load(_MEMBER_SCRIPT)
-                except ResponseError as exc:
-                    self._refuse_script(exc)
-            elif command == "EVALSHA_RO" and "unknown command" in str(refused).lower():
-                self.script_command = "EVALSHA"
-            else:
-                self._refuse_script(refused)
-
-    def _refuse_script(self, exc: Exception) -> None:
-        logger.warning("%s: Redis refused the view's script (%s): plain reads", self.name, exc)
-        self.script_command = None
+        async with self.redis.pipeline(transaction=False) as pipe:
+            # Always at least this: redis_ok (and /ready) is true only when Redis answers.
+            pipe.hgetall(keys.CORDONS_KEY)
+            for member in members:
+                pipe.hgetall(keys.load_key(member.worker))
+                pipe.pttl(keys.alive_key(member.worker))
+                after = f"({id_text(member.follow.pos)}"
+                pipe.xrange(member.follow.key, min=after, max="+", count=1)
+            cordons_raw, *replies = await pipe.execute(raise_on_error=False)
+        triples = zip(replies[::3], replies[1::3], replies[2::3], strict=True)
+        return cordons_raw, [
+            [load, pttl, unread[0][0] if isinstance(unread, list) and unread else None]
+            for load, pttl, unread in triples
+        ]
 
     async def _read_loads(self) -> None:
         members = list(self.members.values())
@@ -400,15 +366,3 @@ class ClusterView:
             "stale": stale,
             "catching_up": catching_up,
         }
-
-
-def _script_reply(reply: list[Any]) -> list[Any]:
-    """``_MEMBER_SCRIPT``'s answer as [load hash (a dict, or None), PTTL, last id]."""
-    flat, pttl, last_id = reply
-    load = dict(zip(flat[::2], flat[1::2], strict=True)) if isinstance(flat, list) else None
-    return [load, pttl, last_id]
-
-
-def _member_reply(load: Any, pttl: Any, unread: Any) -> list[Any]:
-    """The plain commands' answers, as ``_script_reply`` gives the script's."""
-    return [load, pttl, unread[0][0] if isinstance(unread, list) and unread else None]

@@ -15,11 +15,13 @@ not answer they are dropped (counted), and the others' views heal as below.
 
 Who listens: a router publishes its flights only while it knows another router is alive. A
 router says hello (``k`` ``h``) when it starts and whenever its heartbeat key had vanished (Redis
-restarted empty, or it stalled past the TTL); a router that reads one answers it (``a`` 1:
-an answer is not answered). A router alone (the common case) thus writes nothing per request,
-where it wrote three entries and read them back: half the Redis writes of a proxied completion.
+restarted empty, or it stalled past the TTL), once its reader knows where the stream ends, and
+every ``LONELY_HELLO_S`` while it knows no other router (a hello or an answer may be lost); a
+router that reads one answers it (``a`` 1: an answer is not answered). A router alone (the
+common case) thus writes nothing per request, where it wrote three entries and read them back.
 A flight begun before the others were known is not shared, as a flight begun before a router
-started is not: its end is not published either.
+started is not: its end is not published either. Routers of a version before hellos count
+them as malformed entries.
 
 Liveness: each router refreshes ``kvmesh:{routers}:alive:<id>`` (TTL ``alive_ttl_s``); a router
 whose key is gone (it died mid-request, or Redis restarted empty) is no longer listened for and
@@ -36,6 +38,7 @@ import logging
 import os
 import secrets
 import socket
+import time
 from collections.abc import Sequence
 from typing import Any, cast
 
@@ -47,6 +50,8 @@ from events import keys
 from events.redis_io import REDIS_ERRORS
 
 __all__ = ["DecisionShare", "default_router_id"]
+
+LONELY_HELLO_S = 10.0  # a router that knows no other says hello again this often
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +100,9 @@ class DecisionShare:
         self.num_malformed = 0
         self.num_forgotten = 0
         self.others: set[str] = set()  # the other routers known alive: they listen
+        self._heard_at: dict[str, float] = {}  # router -> when an entry of it was last read
+        self._hello_due = True  # say hello (once the reader knows where the stream ends)
+        self._next_lonely_hello = 0.0
         core.flight_hooks.append(self._on_flight)
 
     # -- publishing ----------------------------------------------------------------------------
@@ -136,6 +144,8 @@ class DecisionShare:
                     await pipe.execute()
             except REDIS_ERRORS as exc:
                 self.num_dropped += len(batch)
+                if any(entry["k"] == "h" for entry in batch):
+                    self._hello_due = True  # the others must still hear of us
                 logger.warning(
                     "router %s: sharing failed, %d dropped: %s", self.router_id, len(batch), exc
                 )
@@ -178,7 +188,7 @@ class DecisionShare:
                 return
             kind = fields[b"k"]
             if kind == b"h":  # a router that listens; unless answering ours, it may not know us
-                self.others.add(router)
+                self._hear(router)
                 if fields[b"a"] == b"0":
                     self._hello(answer=True)
                 return
@@ -194,7 +204,7 @@ class DecisionShare:
                     int(fields[b"n"]),
                     hashes,
                 )
-                self.others.add(router)
+                self._hear(router)
             elif kind == b"p":
                 core.prefilled_remote(router, request_id)
             elif kind == b"f":
@@ -206,29 +216,46 @@ class DecisionShare:
             return
         self.num_applied += 1
 
+    def _hear(self, router: str) -> None:
+        self.others.add(router)
+        self._heard_at[router] = time.monotonic()
+
     async def _alive_loop(self) -> None:
         interval = self.alive_ttl_s / 3
         ttl_ms = int(self.alive_ttl_s * 1e3)
+        alive_key = keys.router_alive_key(self.instance)
         while True:
+            checked_at = time.monotonic()
             try:
                 async with self.redis.pipeline(transaction=False) as pipe:
                     # XX: refreshed only if it is there (a SET ... GET would need read access).
-                    pipe.set(keys.router_alive_key(self.instance), 1, px=ttl_ms, xx=True)
+                    pipe.set(alive_key, 1, px=ttl_ms, xx=True)
                     others = sorted(self.others)
                     for other in others:
                         pipe.exists(keys.router_alive_key(other))
                     answers = await pipe.execute()
                 if answers[0] is None:  # first beat, or our key was lost: say who we are
-                    await self.redis.set(keys.router_alive_key(self.instance), 1, px=ttl_ms)
-                    self._hello()
+                    await self.redis.set(alive_key, 1, px=ttl_ms)
+                    self._hello_due = True
             except REDIS_ERRORS as exc:
                 logger.warning("router %s: heartbeat failed: %s", self.router_id, exc)
             else:
                 for other, alive in zip(others, answers[1:], strict=True):
-                    if not alive:  # it died (or Redis restarted empty): its flights end
+                    # (an entry read since the check was sent says it is alive after all)
+                    if not alive and self._heard_at.get(other, 0.0) < checked_at:
+                        # it died (or Redis restarted empty): its flights end
                         self.num_forgotten += self.core.forget_remote(router=other)
                         self.others.discard(other)
+                        self._heard_at.pop(other, None)
                 self.num_forgotten += self.core.forget_remote(older_than_s=self.max_flight_s)
+            if not self.others and checked_at >= self._next_lonely_hello:
+                # Alone: a hello, or an answer, may have been lost on the way. Ask again now
+                # and then; nobody answers if there is nobody.
+                self._hello_due = True
+                self._next_lonely_hello = checked_at + LONELY_HELLO_S
+            if self._hello_due and self._last_id != "$":  # the reader will see the answers
+                self._hello_due = False
+                self._hello()
             await asyncio.sleep(interval)
 
     # -- lifecycle -----------------------------------------------------------------------------

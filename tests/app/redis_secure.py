@@ -41,12 +41,8 @@ _BASE = "resetkeys resetchannels -@all +ping"
 # The worker's publisher: its stream, snapshot, registry entry, heartbeat and load hash.
 _WORKER_COMMANDS = "+xadd +xrevrange +set +getdel +exists +hset +hdel +pexpire +del"
 # The router's (and a dashboard's) consumer and sync loop; SET only asks for a fresh snapshot;
-# XADD, XREVRANGE, SET and DEL on the routers' own keys (their shared decisions, heartbeats);
-# the sync loop's read-only script (EVALSHA_RO, or EVALSHA on Redis 6.2, and SCRIPT LOAD).
-_ROUTER_COMMANDS = (
-    "+info +xread +xrange +hgetall +exists +pttl +get +set +xadd +xrevrange +del "
-    "+evalsha_ro +evalsha +script|load"
-)
+# XADD, XREVRANGE, SET and DEL on the routers' own keys (their shared decisions, heartbeats).
+_ROUTER_COMMANDS = "+info +xread +xrange +hgetall +exists +pttl +get +set +xadd +xrevrange +del"
 
 # One user for every kvmesh process.
 SHARED_RULES = f"{_BASE} ~kvmesh:* {_WORKER_COMMANDS} {_ROUTER_COMMANDS}"

@@ -286,7 +286,7 @@ async def test_reads_are_at_most_one_per_read_interval(
             if interval_s:
                 assert min(gaps) >= interval_s
             else:
-                assert max(gaps) < 0.25  # read at once
+                assert max(gaps) < 0.3  # no wait, where the other case waits at least 0.3 s
     finally:
         await consumer.aclose()
 
