@@ -41,17 +41,23 @@ _BASE = "resetkeys resetchannels -@all +ping"
 # The worker's publisher: its stream, snapshot, registry entry, heartbeat and load hash.
 _WORKER_COMMANDS = "+xadd +xrevrange +set +getdel +exists +hset +hdel +pexpire +del"
 # The router's (and a dashboard's) consumer and sync loop; SET only asks for a fresh snapshot;
-# XADD, XREVRANGE, SET and DEL on the routers' own keys (their shared decisions, heartbeats).
-_ROUTER_COMMANDS = "+info +xread +xrange +hgetall +exists +pttl +get +set +xadd +xrevrange +del"
+# XADD, XREVRANGE, SET and DEL on the routers' own keys (their shared decisions, heartbeats);
+# HGET, HSET, HSETNX and HDEL on the cordons (the fleet admin calls; a cordon written back
+# after a Redis restart).
+_ROUTER_COMMANDS = (
+    "+info +xread +xrange +hgetall +exists +pttl +get +set +xadd +xrevrange +del "
+    "+hget +hset +hsetnx +hdel"
+)
 
 # One user for every kvmesh process.
 SHARED_RULES = f"{_BASE} ~kvmesh:* {_WORKER_COMMANDS} {_ROUTER_COMMANDS}"
 # Least privilege: workers write their keys; routers and dashboards read, and write nothing but
-# the snapshot-request key and the routers' own keys (so a leaked router password cannot forge
-# events).
+# the snapshot-request key, the routers' own keys and the cordons (so a leaked router password
+# cannot forge events).
 WORKER_RULES = f"{_BASE} ~kvmesh:* {_WORKER_COMMANDS}"
 ROUTER_RULES = (
     f"{_BASE} %R~kvmesh:* %W~kvmesh:{{*}}:snapshot:request %W~kvmesh:{{routers}}:* "
+    "~kvmesh:cordons "
     f"{_ROUTER_COMMANDS}"
 )
 

@@ -86,6 +86,13 @@ async def round_trip(worker_url: str, router_url: str, dashboard_url: str) -> No
             frame = (await dashboard.get("/dashboard/state")).json()
         assert _cached_blocks(frame, "w0") == 7
         assert (await worker.get("/ready")).json()["checks"]["redis"] is True
+        # Fleet admin: the cordon is written to Redis, read back by the sync loop, removed.
+        cordoned = await router.post("/workers/w0/cordon", headers=AUTH)
+        assert cordoned.status_code == 200, cordoned.text
+        await eventually(lambda: runtime.core.workers["w0"].state == "cordoned")
+        uncordoned = await router.post("/workers/w0/uncordon", headers=AUTH)
+        assert uncordoned.status_code == 200, uncordoned.text
+        await eventually(lambda: runtime.core.workers["w0"].state == "up")
 
 
 # -- admin tokens --------------------------------------------------------------------------------
