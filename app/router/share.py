@@ -150,11 +150,11 @@ class DecisionShare:
                     "router %s: sharing failed, %d dropped: %s", self.router_id, len(batch), exc
                 )
                 continue
-            self.num_published += sum(entry["k"] != "h" for entry in batch)
+            flights = [entry for entry in batch if entry["k"] != "h"]  # hellos are not counted
+            self.num_published += len(flights)
             self.bytes_published += sum(
                 len(k) + len(v if isinstance(v, (bytes, str)) else str(v))
-                for entry in batch
-                if entry["k"] != "h"
+                for entry in flights
                 for k, v in entry.items()
             )
 

@@ -15,6 +15,7 @@ import pytest
 from app.cluster.members import Member
 from app.core.embedded_redis import EmbeddedCluster, EmbeddedRedis
 from app.router.runtime import RouterRuntime
+from events import keys
 from tests.app.router_support import router_client, router_settings
 from tests.app.worker_support import AUTH, worker_client, worker_settings
 from tests.support.wait import eventually
@@ -182,7 +183,7 @@ async def test_the_view_reads_loads_heartbeats_and_the_first_unread_entry(
         _, replies = await view._read_members(members)
         assert [reply[2] for reply in replies] == [None, None, first]  # w1 has no stream yet
         for member, (load, pttl, _) in zip(members, replies, strict=True):
-            fields = await redis.hkeys(f"kvmesh:{{{member.worker}}}:load")
+            fields = await redis.hkeys(keys.load_key(member.worker))
             assert sorted(load) == sorted(fields) and b"free_blocks_0" in load
             assert 0 < pttl <= 10_000  # the heartbeat's, in ms
 
