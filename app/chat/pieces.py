@@ -33,6 +33,12 @@ kept in tuples of one shared int object per vocabulary id (made at start, ~36 by
 cache does not lengthen its passes, and copying a 4k-id prefix touches a few compact pages,
 not 4k scattered objects.
 
+A piece the cache lacks is encoded by the tokenizers library, or, when its text after its
+control token is plain ASCII and the tokenizer a byte-level BPE where that is proven the same,
+word by word through ``app.chat.words`` (a cache of each word's ids, ``max_tokens //
+WORD_IDS`` words): the library spends most of a new turn's time splitting it into words, not in
+the BPE. The control token's own id comes first, as the library splits the text at it first.
+
 A request's whole prefix is remembered too: its text up to its last cut (in a chat, up to the
 generation prompt, which the next request replaces with the reply) and those ids, keyed by the
 cut and the ``KEY_CHARS`` before it. The next request looks among its last ``PREFIX_CUTS``
@@ -56,6 +62,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+from app.chat.words import WordEncoder
+
 __all__ = ["DEFAULT_CACHE_TOKENS", "PieceCacheInfo", "PieceEncoder", "control_tokens"]
 
 DEFAULT_CACHE_TOKENS = 1 << 18
@@ -63,6 +71,7 @@ PREFIX_FACTOR = 4
 KEY_CHARS = 32
 PREFIX_CUTS = 16  # a new request adds at most this many control tokens to find its prefix
 PREFIX_WINDOWS = (1_024, 16_384)  # ... within this many characters of its end, nearest first
+WORD_IDS = 4  # the word cache holds max_tokens // WORD_IDS words (a word is 1 to 3 ids, mostly)
 
 # Components that transform each split from its text alone (``Metaspace``: and from whether it
 # starts the input; see the module docstring), by their ``type`` in tokenizer.json.
@@ -169,6 +178,9 @@ class PieceEncoder:
         # one int object per id, made together, for the cached tuples to share
         vocab = backend.get_vocab(with_added_tokens=True).values()
         self._canonical = list(range(max(vocab, default=-1) + 1))
+        # a new piece's text after its control token, word by word where proven the same
+        self._words = WordEncoder.for_backend(backend, self._canonical, max_tokens // WORD_IDS)
+        self._token_ids = {token: backend.token_to_id(token) for token in tokens}
         # longest first: Python's leftmost-first alternation is then leftmost-longest
         literals = sorted(set(tokens), key=lambda t: (-len(t), t))
         self._boundary = re.compile("|".join(re.escape(literal) for literal in literals))
@@ -268,13 +280,28 @@ class PieceEncoder:
         self._encoded_chars += encoded_chars
         return last_cut, num_last
 
+    def _encode_words(self, piece: str) -> tuple[int, ...] | None:
+        """The piece's ids through the ``WordEncoder``: its control token's id, then its text's
+        (the library splits the text at the token first); None where it cannot."""
+        words = self._words
+        if words is None:
+            return None
+        token = self._boundary.match(piece)  # the cut's: the longest token there
+        if token is None:  # the first piece
+            ids = words.encode(piece)
+            return None if ids is None else tuple(ids)
+        ids = words.encode(piece[token.end() :])
+        return None if ids is None else (self._canonical[self._token_ids[token.group()]], *ids)
+
     def _miss(self, piece: str) -> tuple[int, ...]:
         """Encode a piece the cache lacks, and keep it (unless empty or over the bound)."""
-        encoded: list[int] = self._encode(piece, add_special_tokens=False).ids
-        try:
-            ids = tuple(map(self._canonical.__getitem__, encoded))
-        except IndexError:  # an id past the vocabulary keeps its object
-            ids = tuple(encoded)
+        ids = self._encode_words(piece)
+        if ids is None:
+            encoded: list[int] = self._encode(piece, add_special_tokens=False).ids
+            try:
+                ids = tuple(map(self._canonical.__getitem__, encoded))
+            except IndexError:  # an id past the vocabulary keeps its object
+                ids = tuple(encoded)
         if ids and len(ids) <= self.max_tokens:  # an empty piece would cost nothing, forever
             self._pieces[piece] = ids
             self._num_tokens += len(ids)
@@ -316,4 +343,6 @@ class PieceEncoder:
         with self._lock:
             self._pieces.clear()
             self._prefixes.clear()
+            if self._words is not None:
+                self._words.clear()
             self._num_tokens = self._num_prefix_tokens = 0

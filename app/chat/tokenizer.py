@@ -15,7 +15,8 @@ written by hand:
   piece by piece, cut before the template's control tokens, each piece's ids kept in an LRU
   (``app.chat.pieces``: the same ids as encoding the whole text, for the tokenizers where that
   is proven; the others encode the whole text), so that a conversation's next request encodes
-  only its new turns;
+  only its new turns; and a new piece of plain ASCII goes word by word through a cache of each
+  word's ids (``app.chat.words``: byte-level BPE tokenizers, where proven the same);
 * a text prompt is encoded *with* the tokenizer's special tokens (``add_special_tokens=True``,
   the default of vLLM's completions endpoint and of transformers), so a Llama-family BOS is
   there as the engine has it.

@@ -1,0 +1,195 @@
+"""``WordEncoder``: plain ASCII text encoded pre-token by pre-token, each pre-token's ids kept in
+a bounded cache, for the byte-level BPE tokenizers (GPT-2's, Llama 3's, Qwen's layouts) where
+that gives the ids the tokenizers library gives.
+
+Why: encoding a chat's new turn with ``Tokenizer.encode`` costs ~0.25 µs a character, and most of
+it is not the BPE (whose own word cache hits) but the library's pre-tokenization and the
+alignments it keeps for offsets (``pre_tokenize_str`` alone is ~60 % of ``encode``). A turn's
+words are mostly words seen before, so a Python dict from pre-token to ids answers them for a
+fraction of that.
+
+Why it is the same, step by step through the library's pipeline (``Tokenizer::encode``), for a
+text that holds no added token (``PieceEncoder`` hands it the text after its control token) and
+only characters of ``SAFE_CHARS`` (tab, newline, carriage return, printable ASCII):
+
+1. Added tokens: the caller's text holds none of the non-normalized ones (``PieceEncoder`` cut
+   before every one), and ``encode`` refuses a text holding a normalized one's content.
+2. Normalizer: there is none (``for_backend`` requires it).
+3. Pre-tokenizer: either ``ByteLevel(add_prefix_space=False, use_regex=True)``, which splits on
+   GPT-2's pattern (``GPT2_PATTERN``), or ``Sequence([Split(Regex(p), "Isolated",
+   invert=False), ByteLevel(add_prefix_space=False, use_regex=False)])``. Both split the text
+   into the pattern's matches and the gaps between them (empty splits dropped), then map each
+   byte to its ByteLevel character. Here the same pattern runs in the ``regex`` module: on
+   these characters every class the patterns use (``\\s``, ``\\p{L}``, ``\\p{N}``, case-
+   insensitive ASCII) has one meaning in every engine, and both engines are leftmost-first
+   backtracking ones. The byte map is read from the library's own ``ByteLevel``.
+4. Model: each split goes through the BPE (no dropout) alone: ``model.tokenize`` of the mapped
+   split is what a cache miss calls.
+5. Post-processor: with ``add_special_tokens=False`` the ones ``PieceEncoder`` admits add
+   nothing.
+
+``for_backend`` also encodes ``CHECK_TEXTS`` both ways and gives up (None) on any difference,
+so a pattern the ``regex`` module reads otherwise costs speed, never correctness; the tests
+compare both ways on every test tokenizer with random ASCII.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from itertools import chain
+from typing import Any
+
+import regex
+
+__all__ = ["CHECK_TEXTS", "GPT2_PATTERN", "SAFE_CHARS", "WordEncoder"]
+
+SAFE_CHARS = "\t\n\r" + "".join(map(chr, range(0x20, 0x7F)))
+_UNSAFE = re.compile(f"[^{re.escape(SAFE_CHARS)}]")
+# tokenizers' ByteLevel pre-tokenizer with use_regex=True (pre_tokenizers/byte_level.rs)
+GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+# Texts where the patterns' alternatives meet: contractions in both cases, runs of spaces and
+# newlines before words and at the end, digits, punctuation runs, tabs and CRLF.
+CHECK_TEXTS = (
+    "Hello, World! It's 3:45pm; we'll see.",
+    "don't DON'T they're I've I'M you'll he'd ''s 'x",
+    "  two  spaces   three\n\nnewlines \n \n  indented\ttab\t\tend  ",
+    "1234567 12,345.67 x1y22z333 1st 2nd",
+    '...!!! ?!? (a) [b] {c} <d> "q" `code` #h $5 %p ^ & * _u_ ~t | \\ / @a',
+    "line\r\nwindows\r\n\r\n trailing\n",
+    " leading space",
+    "\n",
+    "   ",
+    "a",
+)
+
+
+def _pattern_of(state: dict[str, Any]) -> str | None:
+    """The split pattern of a pre-tokenizer (tokenizer.json state) this module handles."""
+    kind = state.get("type")
+    if kind == "ByteLevel":
+        ok = state.get("add_prefix_space") is False and state.get("use_regex") is True
+        return GPT2_PATTERN if ok else None
+    if kind != "Sequence":
+        return None
+    parts = state.get("pretokenizers") or []
+    if len(parts) != 2:
+        return None
+    split, byte_level = parts
+    if not (
+        split.get("type") == "Split"
+        and split.get("behavior") == "Isolated"
+        and split.get("invert") is False
+        and byte_level.get("type") == "ByteLevel"
+        and byte_level.get("add_prefix_space") is False
+        and byte_level.get("use_regex") is False
+    ):
+        return None
+    pattern = split.get("pattern") or {}
+    found = pattern.get("Regex")
+    return found if isinstance(found, str) else None
+
+
+class WordEncoder:
+    """Encodes plain ASCII text pre-token by pre-token through a cache; see the module
+    docstring. Build with ``for_backend``. ``canonical``: the int object to give for each id
+    (``PieceEncoder``'s), so that cached tuples share them."""
+
+    def __init__(
+        self,
+        backend: Any,
+        pattern: str,
+        canonical: list[int],
+        max_words: int,
+    ) -> None:
+        self._split = regex.compile(pattern)
+        self._tokenize: Callable[[str], list[Any]] = backend.model.tokenize
+        from tokenizers import pre_tokenizers
+
+        mapped = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        ((chars, _),) = mapped.pre_tokenize_str(SAFE_CHARS)
+        if len(chars) != len(SAFE_CHARS):
+            raise ValueError("the ByteLevel map is not one character per ASCII byte")
+        self._byte_level = str.maketrans(dict(zip(SAFE_CHARS, chars, strict=True)))
+        added = backend.get_added_tokens_decoder().values()
+        self._normalized_tokens = tuple(t.content for t in added if t.normalized and t.content)
+        self._canonical = canonical
+        self.max_words = max_words
+        self._words: dict[str, tuple[int, ...]] = {}
+
+    @classmethod
+    def for_backend(cls, backend: Any, canonical: list[int], max_words: int) -> WordEncoder | None:
+        """A ``WordEncoder`` for ``backend`` (a ``tokenizers.Tokenizer`` that ``PieceEncoder``
+        already accepts), or None where the module docstring's conditions do not hold."""
+        if max_words <= 0 or backend.normalizer is not None:
+            return None
+        if type(backend.model).__name__ != "BPE" or getattr(backend.model, "dropout", None):
+            return None
+        if backend.pre_tokenizer is None:
+            return None
+        try:
+            state = json.loads(backend.pre_tokenizer.__getstate__())
+        except Exception:  # a custom (Python) pre-tokenizer: nothing is proven
+            return None
+        pattern = _pattern_of(state)
+        if pattern is None:
+            return None
+        try:
+            words = cls(backend, pattern, canonical, max_words)
+        except (regex.error, ValueError):  # a pattern the regex module cannot read
+            return None
+        for text in CHECK_TEXTS:
+            theirs = backend.encode(text, add_special_tokens=False).ids
+            if words.encode(text) != theirs:
+                return None
+        words.clear()
+        return words
+
+    def encode(self, text: str) -> list[int] | None:
+        """``text``'s ids (no special tokens added), or None when it holds a character outside
+        ``SAFE_CHARS`` or a normalized added token (the caller encodes it whole)."""
+        if _UNSAFE.search(text) is not None:
+            return None
+        if self._normalized_tokens and any(t in text for t in self._normalized_tokens):
+            return None
+        splits: list[str] = self._split.findall(text)
+        if sum(map(len, splits)) != len(text):  # gaps between matches are splits too
+            splits = self._splits_with_gaps(text)
+        cache = self._words
+        found = list(map(cache.get, splits))
+        if None in found:
+            found = [
+                ids if ids is not None else self._miss(split)
+                for split, ids in zip(splits, found, strict=True)
+            ]
+        return list(chain.from_iterable(found))  # type: ignore[arg-type]
+
+    def _splits_with_gaps(self, text: str) -> list[str]:
+        out: list[str] = []
+        end = 0
+        for match in self._split.finditer(text):
+            if match.start() > end:
+                out.append(text[end : match.start()])
+            if match.end() > match.start():
+                out.append(match.group())
+            end = match.end()
+        if end < len(text):
+            out.append(text[end:])
+        return out
+
+    def _miss(self, split: str) -> tuple[int, ...]:
+        tokens = self._tokenize(split.translate(self._byte_level))
+        canonical = self._canonical
+        ids = tuple(canonical[t.id] if t.id < len(canonical) else t.id for t in tokens)
+        cache = self._words
+        cache[split] = ids
+        if len(cache) > self.max_words:  # the oldest first: a dict keeps insertion order
+            del cache[next(iter(cache))]
+        return ids
+
+    def __len__(self) -> int:
+        return len(self._words)
+
+    def clear(self) -> None:
+        self._words.clear()

@@ -1,0 +1,202 @@
+"""``WordEncoder``: plain ASCII text encoded pre-token by pre-token gives the ids IDENTICAL to the
+tokenizers library's, on every byte-level test tokenizer (Llama 3's and Qwen's split patterns,
+the demo model's, GPT-2's ``ByteLevel(use_regex=True)``); anything else is declined (None), and
+so is a tokenizer where that is not proven or where the ``regex`` module reads its pattern
+otherwise; the cache stays within its bound."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+from tokenizers import (
+    AddedToken,
+    Regex,
+    Tokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    trainers,
+)
+
+from app.bench.chat import DEMO_MODEL
+from app.chat.pieces import PieceEncoder, control_tokens
+from app.chat.words import CHECK_TEXTS, SAFE_CHARS, WordEncoder
+from tests.support.chat_models import tokenizer_dir
+
+CORPUS = [
+    "The weather in Paris is sunny today, isn't it? We'll see: 22 degrees at 3:45pm.",
+    "  Indented code\n\tdef f(x):\n\t\treturn x + 1  # it's done\r\n",
+    "DON'T SHOUT!!! They're here... (and they've brought 1,234 friends)",
+    "one two three, three two one",
+] * 20
+
+
+def _gpt2_style() -> Tokenizer:
+    """GPT-2's layout: ``ByteLevel(use_regex=True)`` alone, a normalized special token."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        min_frequency=2,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(CORPUS, trainer=trainer)
+    tokenizer.add_special_tokens([AddedToken("<|endoftext|>", special=True, normalized=True)])
+    return tokenizer
+
+
+def _split(pattern: str) -> Tokenizer:
+    """A byte-level BPE after a ``Split`` on ``pattern``, as Llama 3 and Qwen are built."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        min_frequency=2,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(CORPUS, trainer=trainer)
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
+def backends(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Tokenizer]:
+    root = tmp_path_factory.mktemp("word_models")
+    found = {
+        style: Tokenizer.from_file(str(tokenizer_dir(root, style) / "tokenizer.json"))
+        for style in ("llama3", "chatml")
+    }
+    found["demo"] = Tokenizer.from_file(str(DEMO_MODEL / "tokenizer.json"))
+    found["gpt2"] = _gpt2_style()
+    return found
+
+
+def _words(backend: Tokenizer, max_words: int = 1 << 16) -> WordEncoder | None:
+    vocab = backend.get_vocab(with_added_tokens=True).values()
+    return WordEncoder.for_backend(backend, list(range(max(vocab) + 1)), max_words)
+
+
+def _theirs(backend: Tokenizer, text: str) -> list[int]:
+    ids: list[int] = backend.encode(text, add_special_tokens=False).ids
+    return ids
+
+
+# Characters where the patterns' alternatives meet, each class several times over.
+ALPHABET = (
+    *("a", "b", "e", "h", "t", "Z", "S", "'", "'s", "'T", "'ll", "'re", "'ve", "'d", "'M"),
+    *(" ", " ", "  ", "\n", "\n\n", "\t", "\r\n", "\r", " \n", "0", "7", "12", "345"),
+    *(".", ",", "!", "?", "...", "(", ")", "-", "_", "#", "\\", "/", "`", "~", "{", "}"),
+    *(" the", " weather", "Paris", " isn", "today", " code", "return", " DON", "SHOUT"),
+)
+
+
+@pytest.mark.parametrize("model", ["llama3", "chatml", "demo", "gpt2"])
+def test_random_ascii_is_encoded_as_the_library_encodes_it(
+    model: str, backends: dict[str, Tokenizer]
+) -> None:
+    backend = backends[model]
+    words = _words(backend)
+    assert words is not None
+    rng = random.Random(5)
+    for _ in range(1_500):
+        text = "".join(rng.choice(ALPHABET) for _ in range(rng.randint(0, 30)))
+        assert words.encode(text) == _theirs(backend, text), repr(text)
+    every = "".join(rng.choice(SAFE_CHARS) for _ in range(5_000))
+    assert words.encode(every) == _theirs(backend, every)
+    assert 0 < len(words) <= 1 << 16
+
+
+def test_other_characters_and_normalized_tokens_are_declined(
+    backends: dict[str, Tokenizer],
+) -> None:
+    words = _words(backends["gpt2"])
+    assert words is not None
+    others = ("Zürich", "東京", "🌦", "a\x0bb", "tab\x1f", "x\x7f")
+    for text in (*others, "<|endoftext|>", "a<|endoftext|>"):
+        assert words.encode(text) is None, repr(text)
+    assert words.encode("<|endoftext") == _theirs(backends["gpt2"], "<|endoftext")
+
+
+def _normalizer(tokenizer: Tokenizer) -> None:
+    tokenizer.normalizer = normalizers.Lowercase()
+
+
+def _prefix_space(tokenizer: Tokenizer) -> None:
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True, use_regex=True)
+
+
+def _metaspace(tokenizer: Tokenizer) -> None:
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+
+
+def _dropout(tokenizer: Tokenizer) -> None:
+    tokenizer.model.dropout = 0.1
+
+
+def _no_pre_tokenizer(tokenizer: Tokenizer) -> None:
+    tokenizer.pre_tokenizer = None
+
+
+@pytest.mark.parametrize(
+    "change", [_normalizer, _prefix_space, _metaspace, _dropout, _no_pre_tokenizer]
+)
+def test_a_tokenizer_not_proven_has_no_word_encoder(change: Any) -> None:
+    tokenizer = _gpt2_style()
+    assert _words(tokenizer) is not None
+    change(tokenizer)
+    assert _words(tokenizer) is None
+
+
+def test_a_pattern_the_regex_module_reads_otherwise_is_declined() -> None:
+    """``$`` ends every line in Oniguruma (Ruby's syntax), only the text in Python: in a check
+    text, ``three`` before a blank line is one split to the library and five here (each letter),
+    so the encoder gives up."""
+    pattern = r"[a-z]+$|[a-z]|\s+|."
+    tokenizer = _split(r"[a-z]+|\s+|.")  # learns whole words' merges
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    vocab = tokenizer.get_vocab(with_added_tokens=True).values()
+    unchecked = WordEncoder(tokenizer, pattern, list(range(max(vocab) + 1)), 100)
+    assert any("three\n\nnewlines" in text for text in CHECK_TEXTS)
+    assert unchecked.encode("three\n\nnewlines") != _theirs(tokenizer, "three\n\nnewlines")
+    assert _words(tokenizer) is None
+    assert _words(_split(r"[a-z]+|\s+|.")) is not None
+
+
+def test_the_cache_keeps_at_most_its_bound_oldest_out(backends: dict[str, Tokenizer]) -> None:
+    backend = backends["demo"]
+    words = _words(backend, max_words=3)
+    assert words is not None and len(words) == 0  # the check texts are not kept
+    assert words.encode(" one two three four") == _theirs(backend, " one two three four")
+    assert list(words._words) == [" two", " three", " four"]
+    assert words.encode(" one") == _theirs(backend, " one")
+    assert list(words._words) == [" three", " four", " one"]
+
+
+def test_pieces_use_it_and_still_encode_as_the_whole_text(backends: dict[str, Tokenizer]) -> None:
+    backend = backends["chatml"]
+    tokens = control_tokens(backend)
+    assert tokens is not None
+    pieces = PieceEncoder(backend, tokens, 10_000)
+    assert pieces._words is not None
+    text = "<|im_start|>user\nHello there, it's me.<|im_end|>\n<|im_start|>assistant\nZürich!"
+    assert pieces.encode(text) == _theirs(backend, text)
+    # the two ASCII pieces' words are cached; the last piece went to the library whole
+    assert len(pieces._words) > 0
+    assert " Z" not in pieces._words._words and "Zürich" not in pieces._words._words
+    none = PieceEncoder(backend, tokens, 0)
+    assert none._words is None
