@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import datetime
+import uuid
 from typing import Any
 
 import msgpack  # type: ignore[import-untyped]
@@ -161,6 +163,53 @@ def test_round_trip_property(events: list[KVCacheEvent]) -> None:
     assert decode_events(encode_events(events)) == events
 
 
+def _as_arrays(event: KVCacheEvent) -> list[Any]:
+    """The documented layout, written out again (lists, as msgpack's own packb is given them)."""
+    data = event.data
+    head: list[Any] = [event.event_id, event.window_size]
+    if isinstance(data, CreatedData):
+        out = [*head, TYPE_CREATED, list(data.num_blocks_per_cache_level)]
+    elif isinstance(data, StoredData):
+        blocks = [
+            [
+                b.block_hash,
+                list(b.tokens),
+                None if b.extra_ids is None else list(b.extra_ids),
+                b.cache_level,
+                b.priority,
+                [list(key) for key in b.mm_keys],
+                b.cache_salt,
+                b.lora_id,
+            ]
+            for b in data.blocks
+        ]
+        out = [*head, TYPE_STORED, data.parent_hash, blocks]
+    elif isinstance(data, RemovedData):
+        out = [*head, TYPE_REMOVED, list(data.block_hashes)]
+    else:
+        assert isinstance(data, UpdatedData)
+        diffs = [
+            None if d is None else [d.old_value, d.new_value]
+            for d in (data.cache_level, data.priority)
+        ]
+        out = [*head, TYPE_UPDATED, data.block_hash, *diffs]
+    return out if event.attention_dp_rank is None else [*out, event.attention_dp_rank]
+
+
+@given(st.lists(kv_events, max_size=6))
+def test_the_bytes_are_msgpacks_own(events: list[KVCacheEvent]) -> None:
+    """The encoder (ormsgpack) writes byte for byte what msgpack's packb(use_bin_type=True)
+    writes for the documented layout: the wire format does not depend on the packer."""
+    expected = msgpack.packb([_as_arrays(e) for e in events], use_bin_type=True)
+    assert encode_events(events) == expected
+
+
+def test_the_documented_sample_is_msgpacks_own() -> None:
+    events = sample_events()
+    expected = msgpack.packb([_as_arrays(e) for e in events], use_bin_type=True)
+    assert encode_events(events) == expected
+
+
 # -- malformed input ---------------------------------------------------------------------------
 
 
@@ -282,4 +331,20 @@ def test_arbitrary_bytes_decode_or_raise_value_error(data: bytes) -> None:
 def test_encoding_a_hash_beyond_uint64_raises_value_error() -> None:
     event = KVCacheEvent(0, RemovedData([2**64]), 4096)
     with pytest.raises(ValueError, match="cannot encode"):
+        encode_events([event])
+
+
+@pytest.mark.parametrize(
+    "token",
+    [
+        EventDiff(1, 2),  # a dataclass
+        datetime.datetime(2026, 1, 1),
+        uuid.UUID(int=7),
+        1.5j,
+        -(2**63) - 1,
+    ],
+)
+def test_encoding_what_msgpack_refuses_raises_value_error(token: Any) -> None:
+    event = KVCacheEvent(0, StoredData(None, [StoredBlock(1, (1, token))]), 4096)
+    with pytest.raises(ValueError, match="cannot encode KV cache events"):
         encode_events([event])
