@@ -9,6 +9,7 @@ matched and stored. `GenerationRequest` is the manager's own per-sequence state.
 from __future__ import annotations
 
 import warnings
+from array import array
 from collections.abc import Mapping, Sequence
 from enum import Enum
 from functools import partial
@@ -84,6 +85,11 @@ def _plain_keys_hold(
     return pos == stop
 
 
+def _is_u32_buffer(value: Any) -> bool:
+    """An ``array("I")`` of 4-byte items (the uint32 words ``token_words`` takes)."""
+    return isinstance(value, array) and value.typecode == "I" and value.itemsize == 4
+
+
 def _python_ints(values: list[Any]) -> list[int]:
     """`values`, or its items as Python ints where some are not (numpy's integers, say): the
     compiled modules read tokens as native ints, and would refuse them. Both builds convert,
@@ -118,6 +124,7 @@ class LlmRequest:
         cache_salt: str | None = None,
         encoder_tokens: Sequence[int] | None = None,
         is_dummy: bool = False,
+        token_words: Any = None,
     ) -> None:
         if beam_width < 1:
             raise ValueError(f"beam_width must be >= 1, got {beam_width}")
@@ -137,6 +144,10 @@ class LlmRequest:
             _python_ints(list(extra_ids)) if extra_ids is not None else None
         )
         self.prompt_len = len(self.tokens)
+        # The first ids as uint32 words (a uint32 array or an array("I")), where the caller made
+        # them already (a worker checks a prompt's ids that way): the hasher reads them instead
+        # of converting the list again (~25 µs for 4,096 ids).
+        self._words: Any = None if token_words is None else self._check_words(token_words)
         self.max_new_tokens = max_new_tokens
         self.beam_width = beam_width
         self.lora_task_id = lora_task_id
@@ -163,6 +174,30 @@ class LlmRequest:
         # (tokens_per_block, encoder) -> (usable tokens, partial tail key, its hash)
         self._tail_cache: dict[tuple[int, bool], tuple[int, BlockKey, int]] = {}
         self._mm_arrays: Any = None
+
+    def _check_words(self, token_words: Any) -> Any:
+        """``token_words`` as a uint32 array, if it is one (or an ``array("I")``) no longer
+        than the tokens, with their first and last ids (a cheap check, not a proof)."""
+        words = (
+            np.frombuffer(token_words, dtype=np.uint32)
+            if _is_u32_buffer(token_words)
+            else token_words
+        )
+        if not isinstance(words, np.ndarray) or words.dtype != np.uint32 or words.ndim != 1:
+            raise ValueError(
+                f"request {self.request_id}: token_words must be a uint32 array or an "
+                f"array('I'), got {type(token_words).__name__}"
+            )
+        count = len(words)
+        tokens = self.tokens
+        if count > len(tokens) or (
+            count and (int(words[0]) != tokens[0] or int(words[-1]) != tokens[count - 1])
+        ):
+            raise ValueError(
+                f"request {self.request_id}: token_words ({count}) are not the first of its "
+                f"{len(tokens)} tokens"
+            )
+        return words
 
     @property
     def uses_extra_ids(self) -> bool:
@@ -409,10 +444,15 @@ class LlmRequest:
         """The chained hashes of the blocks of tokens [start, stop) (the last may be partial),
         below `parent_hash`, as a uint64 array: one kernel call."""
         tokens, extra = self._source(encoder)
-        # Converting the whole list and slicing the array saves copying the list first.
-        words = (
-            as_token_array(tokens)[start:stop] if start == 0 else as_token_array(tokens[start:stop])
-        )
+        known = None if encoder else self._words
+        if known is not None and stop <= len(known):
+            words = known[start:stop]
+        else:  # converting the whole list and slicing the array saves copying the list first
+            words = (
+                as_token_array(tokens)[start:stop]
+                if start == 0
+                else as_token_array(tokens[start:stop])
+            )
         return hash_token_blocks(
             words,
             tokens_per_block,

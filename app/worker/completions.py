@@ -10,6 +10,7 @@ from array import array
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from app.chat import ModelTokenizer
 from app.core.errors import BadRequest
@@ -132,7 +133,7 @@ def tokens_job(
     cache_salt: str | None,
     retention: schemas.Retention | None = None,
     prefix: str = "cmpl",
-    words: array[int] | None = None,
+    words: array[int] | npt.NDArray[np.uint32] | None = None,
 ) -> Job:
     """A Job for a prompt of token ids (``param`` names the field they came from), checked
     against the vocabulary, the model's window and the cache size. ``words``: the ids'
@@ -163,6 +164,7 @@ def tokens_job(
         cache_salt=cache_salt,
         cache_salt_id=cache_salt_id(cache_salt) if cache_salt is not None else None,
         retention=_retention(retention) if retention is not None else None,
+        words=words,
     )
 
 

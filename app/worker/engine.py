@@ -496,6 +496,7 @@ class Engine:
             cache_salt_id=job.cache_salt_id,
             cache_salt=job.cache_salt,
             retention=job.retention,
+            token_words=job.words,
         )
         job.request_id = request.request_id
         return request

@@ -4,13 +4,16 @@ machinery, and what it shares with the FastAPI route (waiting on a job, the engi
 At 1,000 requests a second FastAPI's layers (middleware, dependency solving, model validation,
 the response's trip back through them) were a quarter of the worker's CPU, more than the block
 manager's own work in some steps. A plain body is a JSON object whose ``prompt`` is a non-empty
-list of ints in 0..2**32-1, with at most the schema's other fields, each of its exact JSON type
-and in range (``max_tokens``, ``priority``, ``request_id``, ``lora_task_id``, ``cache_salt``,
-``model``; ``stream`` false; ``retention`` null), and any other keys (ignored, as the schema
-allows). Everything else goes to the FastAPI route, which answers it exactly as before: text
-prompts, streams, retention, values the schema would coerce (``"4"``, ``2.0``), anything it
-refuses, malformed JSON, a body not sent as JSON, a streamed body or one past the body limit
-(``BodyLimit``'s), a query string, and every request the checks of ``tokens_job`` refuse (400).
+array of plain decimal integers in 0..2**32-1 (``app.core.token_json`` scans them into uint32
+words, which the manager then hashes, without a Python int per id in between), with at most the
+schema's other fields, each of its exact JSON type and in range (``max_tokens``, ``priority``,
+``request_id``, ``lora_task_id``, ``cache_salt``, ``model``; ``stream`` false; ``retention``
+null), and any other keys (ignored, as the schema allows). Everything else goes to the FastAPI
+route, which answers it exactly as before: text prompts, streams, retention, values the schema
+would coerce (``"4"``, ``2.0``, a ``true`` among the ids), a second prompt
+(``prompt_token_ids``), a key given twice, anything it refuses, malformed JSON, a body not
+sent as JSON, a streamed body or one past the body limit (``BodyLimit``'s), a query string, and
+every request the checks of ``tokens_job`` refuse (400).
 The engine's refusals (429, 503, 409) are answered here, by the same mapping as the route's
 (``refusal``). The OpenAPI schema is the FastAPI route's. ``CompletionFastPath`` runs in front
 of the framework's middleware (it is the server's outermost app), whose layers it skips.
@@ -29,7 +32,8 @@ from starlette.types import Receive, Scope, Send
 from app.core.asgi import plain_json, read_body, replay, send_json
 from app.core.errors import BadRequest
 from app.core.middleware import error_body
-from app.worker.completions import completion_body, token_words, tokens_job
+from app.core.token_json import parse_token_body
+from app.worker.completions import completion_body, tokens_job
 from app.worker.engine import (
     DrainingError,
     DuplicateJobError,
@@ -94,32 +98,20 @@ def _optional_str(value: Any, longest: int) -> bool:
     return value is None or (type(value) is str and 0 < len(value) <= longest)
 
 
-def _maybe_bools(body: bytes) -> bool:
-    """Whether the body may hold a JSON ``true`` or ``false``. The one-byte tests are memchr
-    (no key of the schema has an ``f``, only ``request_id`` a ``u``); a substring search over
-    a 20 kB body costs as much as checking every id."""
-    return (b"f" in body and b"false" in body) or (b"u" in body and b"true" in body)
-
-
 def plain_job(runtime: WorkerRuntime, body: bytes, shape: ModelShape) -> Job | None:
     """The Job of a plain body (see the module docstring), or None: the route answers it.
     ``shape``: ``runtime.settings.shape`` (a property that builds it, 10 µs a request)."""
-    try:
-        data = orjson.loads(body)
-    except orjson.JSONDecodeError:
+    parsed = parse_token_body(body)  # the ids scanned into uint32 words, no int per id
+    if parsed is None or parsed.key != "prompt":
         return None
-    if type(data) is not dict:
-        return None
-    prompt = data.get("prompt")
+    data = parsed.fields
     max_tokens = data.get("max_tokens", _DEFAULT_MAX_TOKENS)
     priority = data.get("priority", 0)
     request_id = data.get("request_id")
     lora = data.get("lora_task_id")
     salt = data.get("cache_salt")
     if (
-        type(prompt) is not list
-        or not prompt
-        or type(max_tokens) is not int
+        type(max_tokens) is not int
         or max_tokens < 1
         or type(priority) is not int
         or not -_PRIORITY_MAX <= priority <= _PRIORITY_MAX
@@ -131,14 +123,10 @@ def plain_job(runtime: WorkerRuntime, body: bytes, shape: ModelShape) -> Job | N
         or data.get("retention") is not None
     ):
         return None
-    words = token_words(prompt)  # None: not all ints in 0..2**32-1
-    if words is None:
-        return None
-    if _maybe_bools(body):  # the schema reads a bool among the ids as its int
-        prompt = words.tolist()
+    words = parsed.words
     try:
         return tokens_job(
-            prompt,
+            words.tolist(),  # the manager's keys are made of ints
             "prompt",
             max_tokens,
             shape,

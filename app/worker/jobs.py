@@ -13,9 +13,13 @@ Errors::
 from __future__ import annotations
 
 import asyncio
+from array import array
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Literal
+
+import numpy as np
+import numpy.typing as npt
 
 from cache import LlmRequest
 from cache.retention import RetentionConfig
@@ -80,6 +84,8 @@ class Job:
     cache_salt: str | None = None
     cache_salt_id: int | None = None
     retention: RetentionConfig | None = None
+    # the prompt as uint32 words (an array("I") or a numpy array), where checked that way
+    words: array[int] | npt.NDArray[np.uint32] | None = None
 
     state: JobState = JobState.WAITING
     request_id: int = -1  # the manager's id while admitted

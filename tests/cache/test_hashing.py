@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+from array import array
 from pathlib import Path
 from typing import Any
 
@@ -151,6 +152,54 @@ def test_request_hashes_match_the_manager_and_the_router() -> None:
     for t in range(40, 49):
         request.add_new_token(t)
     assert request.block_hashes(16, 48, False)[:2] == first
+
+
+@pytest.mark.parametrize("kind", ["array", "numpy"])
+def test_token_words_given_hash_as_the_tokens_do(kind: str) -> None:
+    """A request given its prompt's uint32 words (as a worker has them) hashes them instead of
+    converting its tokens: the same hashes, partial tail included, and past the words (tokens
+    it generated) from its tokens."""
+    tokens = [7, 2**32 - 1, *range(1000, 1037), 2**31]
+    words = array("I", tokens) if kind == "array" else np.array(tokens, dtype=np.uint32)
+    options: dict[str, Any] = {"extra_ids": [i % 3 for i in range(40)], "lora_task_id": 5}
+    given = LlmRequest(1, tokens, token_words=words, **options)
+    plain = LlmRequest(1, tokens, **options)
+    # one block first, then the rest of the prompt with its tail: both within the words
+    assert given.block_hashes(16, 20, False) == plain.block_hashes(16, 20, False)
+    assert given.block_hashes(16, 39, True) == plain.block_hashes(16, 39, True)
+    assert given.block_keys(16, 39, True) == plain.block_keys(16, 39, True)
+    for request in (given, plain):
+        for t in range(40, 60):
+            request.add_new_token(t)
+    assert given.block_hashes(16, 59, True) == plain.block_hashes(16, 59, True)
+    assert given.block_hashes(16, 59, False) == block_hashes_for_tokens(
+        given.tokens[:48], 16, extra_ids=(given.extra_ids or [])[:48], lora_task_id=5
+    )
+
+
+def test_token_words_are_what_is_hashed() -> None:
+    """The words are read, not the tokens (the check compares only the first and last)."""
+    tokens = list(range(100, 132))
+    other = array("I", [100, *range(500, 530), 131])
+    assert LlmRequest(1, tokens, token_words=other).block_hashes(16, 31, False) == (
+        block_hashes_for_tokens(list(other)[:16], 16)
+    )
+
+
+@pytest.mark.parametrize(
+    ("words", "message"),
+    [
+        ([1, 2, 3], "token_words must be a uint32 array or an array\\('I'\\), got list"),
+        (np.array([1, 2, 3], dtype=np.int64), "token_words must be .*, got ndarray"),
+        (array("i", [1, 2, 3]), "token_words must be .*, got array"),
+        (array("I", [1, 2, 3, 4, 5]), r"token_words \(5\) are not the first of its 4 tokens"),
+        (array("I", [1, 9]), r"token_words \(2\) are not the first of its 4 tokens"),
+        (array("I", [2, 2]), r"token_words \(2\) are not the first of its 4 tokens"),
+    ],
+)
+def test_token_words_that_are_not_the_first_tokens_are_refused(words: Any, message: str) -> None:
+    with pytest.raises(ValueError, match=rf"request 3: {message}"):
+        LlmRequest(3, [1, 2, 3, 4], token_words=words)
 
 
 @pytest.mark.parametrize("with_extra", [False, True])
