@@ -72,6 +72,8 @@ _EVENT_LEN: Final = {TYPE_CREATED: 4, TYPE_STORED: 5, TYPE_REMOVED: 4, TYPE_UPDA
 _BLOCK_LEN: Final = 8
 _MAX_U64: Final = 2**64 - 1
 _INT_ONLY: Final = frozenset((int,))
+_TUPLE_ONLY: Final = frozenset((tuple,))
+_BLOCK_LENS: Final = frozenset((_BLOCK_LEN,))
 
 
 # -- encoding --------------------------------------------------------------------------------
@@ -230,9 +232,37 @@ def _stored_block(value: object, where: str) -> StoredBlock:
     )
 
 
+def _plain_stored_blocks(raw: tuple[Any, ...]) -> list[StoredBlock] | None:
+    """The blocks of the shape a worker sends (no extra ids, multimodal keys, salt or LoRA),
+    checked column by column at C level; None when any block is otherwise (the caller then
+    checks block by block, and names what is wrong). Tokens are checked by the caller."""
+    if not raw or set(map(type, raw)) != _TUPLE_ONLY or set(map(len, raw)) != _BLOCK_LENS:
+        return None
+    hashes, tokens, extra_ids, levels, priorities, mm_keys, salts, loras = zip(*raw, strict=True)
+    count = len(raw)
+    if not (
+        set(map(type, hashes)) == _INT_ONLY
+        and min(hashes) >= 0
+        and max(hashes) <= _MAX_U64
+        and set(map(type, tokens)) == _TUPLE_ONLY
+        and set(map(type, levels)) == _INT_ONLY
+        and set(map(type, priorities)) == _INT_ONLY
+        and extra_ids.count(None) == count
+        and mm_keys.count(()) == count
+        and salts.count(None) == count
+        and loras.count(None) == count
+    ):
+        return None
+    return list(
+        map(StoredBlock, hashes, tokens, extra_ids, levels, priorities, mm_keys, salts, loras)
+    )
+
+
 def _stored_blocks(value: object, where: str) -> list[StoredBlock]:
     raw = _array(value, where, "blocks")
-    blocks = [_stored_block(b, f"{where}, block {i}") for i, b in enumerate(raw)]
+    blocks = _plain_stored_blocks(raw)
+    if blocks is None:
+        blocks = [_stored_block(b, f"{where}, block {i}") for i, b in enumerate(raw)]
     token_types = set(map(type, chain.from_iterable(b.tokens for b in blocks)))
     if not token_types <= _INT_ONLY:
         bad = sorted(t.__name__ for t in token_types - _INT_ONLY)
