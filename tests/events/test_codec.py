@@ -256,6 +256,29 @@ GOOD_BLOCK = [BIG, [1, 2, 3, 4], None, 0, 35, [], None, None]
             pack([[1, 4096, TYPE_STORED, None, [[b"h", *GOOD_BLOCK[1:]]]]]),
             "block_hash must be an integer, got bytes",
         ),
+        # plain blocks (the columns' fast path) with one that is not: the per-block checks say
+        (
+            pack([[1, 4096, TYPE_STORED, None, [GOOD_BLOCK, [-1, *GOOD_BLOCK[1:]]]]]),
+            "block 1: block_hash -1 is not an unsigned 64-bit integer",
+        ),
+        (
+            pack(
+                [
+                    [
+                        1,
+                        4096,
+                        TYPE_STORED,
+                        None,
+                        [GOOD_BLOCK, [*GOOD_BLOCK[:3], True, 35, [], None, None]],
+                    ]
+                ]
+            ),
+            "block 1: cache_level must be an integer, got bool",
+        ),
+        (
+            pack([[1, 4096, TYPE_STORED, None, [GOOD_BLOCK, [*GOOD_BLOCK[:5], [], None, "x"]]]]),
+            "block 1: lora_id must be an integer, got str",
+        ),
         (
             pack([[1, 4096, TYPE_STORED, None, [[BIG, "1234", *GOOD_BLOCK[2:]]]]]),
             "tokens must be an array, got str",
