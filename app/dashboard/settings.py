@@ -4,10 +4,10 @@ without routing)."""
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from app.cluster.view import ViewConfig
+from app.cluster.view import ViewConfig, check_read_interval
 from app.core.settings import Settings
 
 __all__ = ["DashboardSettings"]
@@ -29,6 +29,11 @@ class DashboardSettings(Settings):
         description="read the workers' event streams at most this often (what they flush "
         "meanwhile comes in one read: fewer reads, an index up to this much later; 0: at once)",
     )
+
+    @model_validator(mode="after")
+    def _read_interval_valid(self) -> DashboardSettings:
+        check_read_interval(self.event_read_interval_ms, self.max_lag_ms)
+        return self
 
     def view_config(self) -> ViewConfig:
         return ViewConfig(

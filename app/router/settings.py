@@ -15,6 +15,7 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import NoDecode, SettingsConfigDict
 
 from app.chat import ModelTokenizer, TokenizerLoadError
+from app.cluster.view import check_read_interval
 from app.core.settings import Settings
 from app.router.policies import Weights
 
@@ -158,8 +159,9 @@ class RouterSettings(Settings):
         return dict(item.partition("=")[::2] for item in self.models)
 
     @model_validator(mode="after")
-    def _weights_valid(self) -> RouterSettings:
+    def _cross_field_checks(self) -> RouterSettings:
         self.weights()  # raises ValueError naming the bad field
+        check_read_interval(self.event_read_interval_ms, self.max_lag_ms)
         return self
 
     def weights(self) -> Weights:

@@ -86,6 +86,18 @@ def test_bad_router_settings_name_the_flag(capsys: pytest.CaptureFixture[str]) -
     )
 
 
+@pytest.mark.parametrize("command", ["router", "dashboard"])
+def test_reading_the_streams_too_seldom_is_refused(
+    command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = [command, "--redis-url", "redis://x", "--event-read-interval-ms", "600"]
+    assert main([*argv, "--max-lag-ms", "1000"]) == 2
+    assert capsys.readouterr().err == (
+        f"kvmesh {command}: --event-read-interval-ms (KVMESH_EVENT_READ_INTERVAL_MS): 600 is "
+        "more than half of max_lag_ms (1000); entries unread that long make a worker look stale\n"
+    )
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
