@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import httpx
+import orjson
 import pytest
 
 from app.core.net import free_port
@@ -313,6 +314,74 @@ async def test_the_proxy_answers_each_upstream_error_with_a_502_and_no_flight_le
             await router.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 1})
         assert runtime.core.inflight == {}
         runtime.upstream = real
+
+
+class _Broken:
+    """A streamed 200 that fails after its first chunk, as a worker that dies mid-answer."""
+
+    status_code = 200
+
+    def __init__(self) -> None:
+        self.headers = {"content-type": "text/event-stream"}
+        self.closed = False
+
+    async def aread(self) -> bytes:
+        raise AssertionError("a stream is relayed, not read whole")
+
+    async def aiter_raw(self) -> AsyncIterator[bytes]:
+        yield b'data: {"n": 1}\n\n'
+        raise ReadError("connection reset")
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+class BreaksMidStream:
+    """An upstream whose every post answers ``_Broken``."""
+
+    def __init__(self) -> None:
+        self.answers: list[_Broken] = []
+
+    async def post(self, url: str, body: bytes) -> UpstreamResponse:
+        self.answers.append(_Broken())
+        return self.answers[-1]
+
+    def forget(self, url: str) -> None:
+        return None
+
+    async def aclose(self) -> None:
+        return None
+
+
+async def test_a_worker_failing_mid_stream_ends_the_stream_with_an_error_event(
+    clean_redis_url: str,
+) -> None:
+    """The client gets what came, then one SSE event with an OpenAI error body (the status is
+    sent already); the flight ends and the completion counts as a 502."""
+    async with (
+        worker_client(worker_settings(clean_redis_url, worker_id="w0")),
+        router_client(router_settings(clean_redis_url)) as (router, runtime),
+    ):
+        await eventually(lambda: len(runtime.core.workers) == 1 and runtime.readiness()["ready"])
+        runtime.upstream = upstream = BreaksMidStream()
+        body = {"prompt": [1, 2, 3], "max_tokens": 4, "stream": True}
+        async with router.stream("POST", "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            assert response.headers["x-kvmesh-worker"] == "w0"
+            received = b"".join([chunk async for chunk in response.aiter_raw()])
+        error = {
+            "error": {
+                "message": "the worker failed mid-stream",
+                "type": "upstream_error",
+                "param": None,
+                "code": None,
+            }
+        }
+        assert received == b'data: {"n": 1}\n\n' + b"data: " + orjson.dumps(error) + b"\n\n"
+        assert [answer.closed for answer in upstream.answers] == [True]
+        assert runtime.core.inflight == {}
+        metrics = (await router.get("/metrics")).text
+        assert 'kvmesh_router_completions_total{status="502",worker="w0"} 1.0' in metrics
 
 
 async def test_another_scheme_goes_to_the_fallback() -> None:
