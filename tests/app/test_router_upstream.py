@@ -384,6 +384,45 @@ async def test_a_worker_failing_mid_stream_ends_the_stream_with_an_error_event(
         assert 'kvmesh_router_completions_total{status="502",worker="w0"} 1.0' in metrics
 
 
+class Forgetful:
+    """An upstream that records the URLs it is told to forget."""
+
+    def __init__(self) -> None:
+        self.forgotten: list[str] = []
+
+    async def post(self, url: str, body: bytes) -> UpstreamResponse:
+        raise ConnectError("not used")
+
+    def forget(self, url: str) -> None:
+        self.forgotten.append(url)
+
+    async def aclose(self) -> None:
+        return None
+
+
+async def test_a_worker_that_leaves_has_its_connections_forgotten(clean_redis_url: str) -> None:
+    """A worker gone from the view (it stopped and left the registry) leaves the router's
+    workers, and the client drops its kept connections (none left in CLOSE_WAIT); a worker
+    that stays is not touched."""
+    settings = worker_settings(clean_redis_url, worker_id="w1", advertise_url="http://w1:9")
+    async with (
+        worker_client(worker_settings(clean_redis_url, worker_id="w0")),
+        router_client(router_settings(clean_redis_url)) as (_, runtime),
+    ):
+        await eventually(lambda: "w0" in runtime.core.workers)
+        real, runtime.upstream = runtime.upstream, (forgetful := Forgetful())
+        try:
+            async with worker_client(settings):
+                await eventually(lambda: "w1" in runtime.core.workers)
+                assert runtime.core.workers["w1"].url == "http://w1:9"
+                assert forgetful.forgotten == []
+            await eventually(lambda: "w1" not in runtime.core.workers)
+            assert forgetful.forgotten == ["http://w1:9"]
+            assert list(runtime.core.workers) == ["w0"]
+        finally:
+            runtime.upstream = real
+
+
 async def test_another_scheme_goes_to_the_fallback() -> None:
     fallback = Recorder()
     upstream = client(fallback)
