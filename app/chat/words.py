@@ -153,7 +153,8 @@ class WordEncoder:
             return None
         if self._normalized_tokens and any(t in text for t in self._normalized_tokens):
             return None
-        splits: list[str] = self._split.findall(text)
+        # findall gives the whole matches only for a pattern without capturing groups
+        splits: list[str] = self._split.findall(text) if not self._split.groups else []
         if sum(map(len, splits)) != len(text):  # gaps between matches are splits too
             splits = self._splits_with_gaps(text)
         cache = self._words

@@ -34,10 +34,10 @@ CORPUS = [
 ] * 20
 
 
-def _gpt2_style() -> Tokenizer:
-    """GPT-2's layout: ``ByteLevel(use_regex=True)`` alone, a normalized special token."""
+def _trained(pre_tokenizer: Any) -> Tokenizer:
+    """A byte-level BPE of 400 ids learnt from ``CORPUS`` after ``pre_tokenizer``."""
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tokenizer.pre_tokenizer = pre_tokenizer
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=400,
@@ -46,27 +46,28 @@ def _gpt2_style() -> Tokenizer:
         show_progress=False,
     )
     tokenizer.train_from_iterator(CORPUS, trainer=trainer)
+    return tokenizer
+
+
+def _gpt2_style() -> Tokenizer:
+    """GPT-2's layout: ``ByteLevel(use_regex=True)`` alone, a normalized special token."""
+    tokenizer = _trained(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True))
     tokenizer.add_special_tokens([AddedToken("<|endoftext|>", special=True, normalized=True)])
     return tokenizer
 
 
-def _split(pattern: str) -> Tokenizer:
-    """A byte-level BPE after a ``Split`` on ``pattern``, as Llama 3 and Qwen are built."""
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+def _split_then_byte_level(pattern: str) -> Any:
+    return pre_tokenizers.Sequence(
         [
             pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ]
     )
-    trainer = trainers.BpeTrainer(
-        vocab_size=400,
-        min_frequency=2,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(CORPUS, trainer=trainer)
-    return tokenizer
+
+
+def _split(pattern: str) -> Tokenizer:
+    """A byte-level BPE after a ``Split`` on ``pattern``, as Llama 3 and Qwen are built."""
+    return _trained(_split_then_byte_level(pattern))
 
 
 @pytest.fixture(scope="module")
@@ -163,18 +164,23 @@ def test_a_pattern_the_regex_module_reads_otherwise_is_declined() -> None:
     so the encoder gives up."""
     pattern = r"[a-z]+$|[a-z]|\s+|."
     tokenizer = _split(r"[a-z]+|\s+|.")  # learns whole words' merges
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
+    tokenizer.pre_tokenizer = _split_then_byte_level(pattern)
     vocab = tokenizer.get_vocab(with_added_tokens=True).values()
     unchecked = WordEncoder(tokenizer, pattern, list(range(max(vocab) + 1)), 100)
     assert any("three\n\nnewlines" in text for text in CHECK_TEXTS)
     assert unchecked.encode("three\n\nnewlines") != _theirs(tokenizer, "three\n\nnewlines")
     assert _words(tokenizer) is None
     assert _words(_split(r"[a-z]+|\s+|.")) is not None
+
+
+def test_a_pattern_with_groups_and_gaps_splits_as_the_library_does() -> None:
+    """Capturing groups (findall would give the groups, not the matches) and characters no
+    alternative matches (the gaps are splits of their own)."""
+    tokenizer = _split(r"([a-z])([a-z]*)|(\d)")
+    words = _words(tokenizer)
+    assert words is not None
+    for text in ("one two, three!", "x1y22 z", "  ", "DON'T 42"):
+        assert words.encode(text) == _theirs(tokenizer, text), text
 
 
 def test_the_cache_keeps_at_most_its_bound_oldest_out(backends: dict[str, Tokenizer]) -> None:
