@@ -16,9 +16,10 @@ where the two diffs of ``updated`` are the cache level and the priority, and a s
 
 An event whose ``attention_dp_rank`` is set carries it as one more, last element. Block hashes
 are unsigned 64-bit integers and travel as msgpack uint64, so every value up to 2**64 - 1
-round-trips exactly. Encoding hands the token tuples of ``StoredBlock`` to msgpack as they are;
-decoding asks msgpack for tuples, so no Python code runs per token beyond one C-level type check
-per stored event.
+round-trips exactly. Encoding hands the token tuples of ``StoredBlock`` to the packer as they
+are (ormsgpack, which writes msgpack's own bytes); decoding asks msgpack for tuples, so no
+Python code runs per token beyond one C-level type check per stored event, and the blocks of
+the shape workers send are checked by column, not one by one.
 
 Malformed input (bytes that are not msgpack, or msgpack of the wrong shape) raises
 ``EventCodecError`` (``events.errors``: an ``EventsError`` and a ``ValueError``) that says what is
