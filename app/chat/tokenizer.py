@@ -19,7 +19,8 @@ written by hand:
   word's ids (``app.chat.words``: byte-level BPE tokenizers, where proven the same);
 * a text prompt is encoded *with* the tokenizer's special tokens (``add_special_tokens=True``,
   the default of vLLM's completions endpoint and of transformers), so a Llama-family BOS is
-  there as the engine has it.
+  there as the engine has it: through the pieces where they are proven, with the ids the
+  post-processor adds around any text (``special_ends``).
 
 A bare ``tokenizer.json`` (``--tokenizer FILE``, kvmesh's first form) is loaded by the
 tokenizers library alone: text prompts as above, no chat template.
@@ -39,7 +40,7 @@ from typing import Any
 from app.chat.pieces import DEFAULT_CACHE_TOKENS, PieceCacheInfo, PieceEncoder, control_tokens
 from app.chat.render import ChatRenderer
 
-__all__ = ["ChatTemplateError", "ModelTokenizer", "TokenizerLoadError"]
+__all__ = ["ChatTemplateError", "ModelTokenizer", "TokenizerLoadError", "special_ends"]
 
 
 class TokenizerLoadError(ValueError):
@@ -48,6 +49,32 @@ class TokenizerLoadError(ValueError):
 
 class ChatTemplateError(ValueError):
     """The chat cannot be rendered by the model's template (its message says why)."""
+
+
+# Texts whose ids with and without the special tokens show what a post-processor adds.
+_END_PROBES = ("Hello world", "x", "1 2 3\n")
+
+
+def special_ends(backend: Any) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """The ids ``backend``'s post-processor adds before and after a text's own (BOS and EOS,
+    ``[CLS]`` and ``[SEP]``...), found from probe texts; None when they are not the same for
+    every probe. The post-processors ``PieceEncoder`` admits (ByteLevel, TemplateProcessing,
+    BERT's, RoBERTa's) add constant ids around a single sequence, truncation being off."""
+    found: set[tuple[tuple[int, ...], tuple[int, ...]]] | None = None
+    for probe in _END_PROBES:
+        bare = tuple(backend.encode(probe, add_special_tokens=False).ids)
+        full = tuple(backend.encode(probe, add_special_tokens=True).ids)
+        ends = {
+            (full[:start], full[start + len(bare) :])
+            for start in range(len(full) - len(bare) + 1)
+            if full[start : start + len(bare)] == bare
+        }
+        found = ends if found is None else found & ends
+    if not found or len(found) != 1:
+        return None
+    head, tail = found.pop()
+    empty = tuple(backend.encode("", add_special_tokens=True).ids)
+    return (head, tail) if empty == head + tail else None
 
 
 def _one_line(exc: BaseException) -> str:
@@ -67,6 +94,9 @@ class ModelTokenizer:
         tokens = control_tokens(backend) if cache_tokens > 0 else None
         # None: rendered chats are encoded whole (no cache wanted, or not proven separable)
         self._pieces = PieceEncoder(backend, tokens, cache_tokens) if tokens else None
+        # What the post-processor adds around a text prompt's ids, where a text can go through
+        # the pieces too (see encode_text)
+        self._text_ends = special_ends(backend) if self._pieces is not None else None
 
     @classmethod
     def load(cls, path: str | Path, *, cache_tokens: int = DEFAULT_CACHE_TOKENS) -> ModelTokenizer:
@@ -132,7 +162,12 @@ class ModelTokenizer:
     # -- prompts ---------------------------------------------------------------------------------
 
     def encode_text(self, text: str) -> list[int]:
-        """A completions prompt as the engine encodes it (with the special tokens)."""
+        """A completions prompt as the engine encodes it (with the special tokens). Through the
+        pieces (and their words) where proven the same: the post-processors ``PieceEncoder``
+        admits add the same ids before and after any text (``special_ends``)."""
+        if self._text_ends is not None and self._pieces is not None:
+            head, tail = self._text_ends
+            return [*head, *self._pieces.encode(text), *tail]
         ids: list[int] = self._backend.encode(text, add_special_tokens=True).ids
         return ids
 

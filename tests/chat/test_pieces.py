@@ -133,6 +133,29 @@ def test_any_text_is_encoded_as_the_whole_text(model: str, dirs: dict[str, Path]
     assert info is not None and info.hits > 0 and info.tokens <= 4_000
 
 
+@pytest.mark.parametrize("model", MODELS)
+def test_text_prompts_are_encoded_as_the_engine_encodes_them(
+    model: str, dirs: dict[str, Path], theirs: dict[str, Any]
+) -> None:
+    """A completions prompt goes through the pieces (and their words) with what the
+    post-processor adds around it (a Llama or Mistral BOS): the library's ids with the special
+    tokens, and transformers'."""
+    ours = ModelTokenizer.load(dirs[model], cache_tokens=4_000)
+    assert ours._text_ends is not None
+    backend = ours._backend
+    bos = theirs[model].bos_token
+    with_bos = bos is not None and theirs[model]("x")["input_ids"][0] == backend.token_to_id(bos)
+    assert ours._text_ends == (((backend.token_to_id(bos),) if with_bos else ()), ())
+    controls = [t.content for t in backend.get_added_tokens_decoder().values()]
+    rng = random.Random(13)
+    alphabet = (*FRAGMENTS, *controls, "Hello world, it's a fine day.", " 42 ")
+    for _ in range(300):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 12)))
+        expected = backend.encode(text, add_special_tokens=True).ids
+        assert ours.encode_text(text) == expected, text
+        assert theirs[model](text)["input_ids"] == expected, text
+
+
 def test_the_next_request_encodes_only_its_new_turns(dirs: dict[str, Path]) -> None:
     ours = ModelTokenizer.load(dirs["chatml"])
     first = [
