@@ -236,6 +236,8 @@ class LlmRequest:
     def _trim_caches(self) -> None:
         """Forget cached keys and hashes of blocks the token list no longer fills."""
         self._tail_cache.clear()
+        if self._words is not None and len(self._words) > len(self.tokens):
+            self._words = self._words[: len(self.tokens)]  # the ids after are not the words'
         for (tokens_per_block, encoder), cache in self._key_cache.items():
             del cache[len(self._source(encoder)[0]) // tokens_per_block :]
         for (tokens_per_block, encoder), hashes in self._hash_cache.items():

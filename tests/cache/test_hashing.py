@@ -177,6 +177,17 @@ def test_token_words_given_hash_as_the_tokens_do(kind: str) -> None:
     )
 
 
+def test_token_words_cut_by_remove_tokens_are_not_read_past_the_cut() -> None:
+    """Tokens removed from inside the prompt (a rejected draft) and others appended: the
+    words no longer cover them, the tokens are hashed."""
+    tokens = list(range(100, 132))
+    given = LlmRequest(1, tokens, token_words=array("I", tokens))
+    given.remove_tokens(20)
+    for t in range(900, 920):
+        given.add_new_token(t)
+    assert given.block_hashes(16, 32, False) == block_hashes_for_tokens(given.tokens, 16)
+
+
 def test_token_words_are_what_is_hashed() -> None:
     """The words are read, not the tokens (the check compares only the first and last)."""
     tokens = list(range(100, 132))
