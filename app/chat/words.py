@@ -14,7 +14,8 @@ only characters of ``SAFE_CHARS`` (tab, newline, carriage return, printable ASCI
 
 1. Added tokens: the caller's text holds none of the non-normalized ones (``PieceEncoder`` cut
    before every one), and ``encode`` refuses a text holding a normalized one's content.
-2. Normalizer: there is none (``for_backend`` requires it).
+2. Normalizer: none, or Unicode normalization (NFC, NFD, NFKC, NFKD, as Qwen's NFC), which
+   leaves ASCII as it is (``for_backend`` requires it).
 3. Pre-tokenizer: either ``ByteLevel(add_prefix_space=False, use_regex=True)``, which splits on
    GPT-2's pattern (``GPT2_PATTERN``), or ``Sequence([Split(Regex(p), "Isolated",
    invert=False), ByteLevel(add_prefix_space=False, use_regex=False)])``. Both split the text
@@ -28,22 +29,36 @@ only characters of ``SAFE_CHARS`` (tab, newline, carriage return, printable ASCI
 5. Post-processor: with ``add_special_tokens=False`` the ones ``PieceEncoder`` admits add
    nothing.
 
-``for_backend`` also encodes ``CHECK_TEXTS`` both ways and gives up (None) on any difference,
-so a pattern the ``regex`` module reads otherwise costs speed, never correctness; the tests
-compare both ways on every test tokenizer with random ASCII.
+What the two engines read differently even on ASCII is refused outright (``_portable``):
+anchors outside a character class (``^`` and ``$`` match at every line in Oniguruma's Ruby
+syntax), ``\\A``, ``\\Z``, ``\\z``, ``\\G``, ``\\h`` (a hex digit in Oniguruma, a horizontal
+space here) and the like, inline flags other than ``i``, and patterns that can match an empty
+string (the engines step past an empty match differently). ``for_backend`` then also encodes
+``CHECK_TEXTS`` both ways and gives up (None) on any difference; the tests compare both ways on
+every test tokenizer with random ASCII.
+
+The cache holds at most ``max_words`` words of at most ``MAX_WORD_CHARS`` characters (a longer
+one, a run of letters or spaces, is encoded each time), the least recently added dropped first.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections import OrderedDict
 from collections.abc import Callable
 from itertools import chain
 from typing import Any
 
 import regex
 
-__all__ = ["CHECK_TEXTS", "GPT2_PATTERN", "SAFE_CHARS", "WordEncoder"]
+__all__ = ["CHECK_TEXTS", "GPT2_PATTERN", "MAX_WORD_CHARS", "SAFE_CHARS", "WordEncoder"]
+
+MAX_WORD_CHARS = 64
+# Normalizers that leave ASCII text as it is, by their type in tokenizer.json.
+_ASCII_NEUTRAL = frozenset({"NFC", "NFD", "NFKC", "NFKD"})
+# Escapes the engines read differently (or one of them lacks); see the module docstring.
+_UNPORTABLE_ESCAPES = frozenset("AZzGhHRXKbBQEg")
 
 SAFE_CHARS = "\t\n\r" + "".join(map(chr, range(0x20, 0x7F)))
 _UNSAFE = re.compile(f"[^{re.escape(SAFE_CHARS)}]")
@@ -63,6 +78,52 @@ CHECK_TEXTS = (
     "   ",
     "a",
 )
+
+
+def _portable(pattern: str) -> bool:
+    """Whether ``pattern`` avoids what Oniguruma and the ``regex`` module read differently:
+    ``^``/``$`` outside a class, the escapes of ``_UNPORTABLE_ESCAPES``, inline flags but ``i``."""
+    in_class = False
+    i = 0
+    while i < len(pattern):
+        char = pattern[i]
+        if char == "\\":
+            if i + 1 < len(pattern) and pattern[i + 1] in _UNPORTABLE_ESCAPES:
+                return False
+            i += 2
+            continue
+        if in_class:
+            in_class = char != "]"
+        elif char == "[":
+            in_class = True
+            i += 2 if pattern[i + 1 : i + 2] == "^" else 1  # a negated class's ^ is its own
+            continue
+        elif char in "^$":
+            return False
+        elif pattern.startswith("(?", i) and pattern[i + 2 : i + 3] not in ("", ":", "!", "=", "<"):
+            flags = re.match(r"[a-zA-Z-]*", pattern[i + 2 :])
+            if flags is None or set(flags.group()) - {"i"}:
+                return False
+        i += 1
+    return True
+
+
+def _matches_empty(split: Any) -> bool:
+    """Whether the compiled pattern matches an empty string somewhere in a sample text."""
+    sample = "".join((SAFE_CHARS, *CHECK_TEXTS))
+    return any(m.end() == m.start() for m in split.finditer(sample)) or bool(split.match(""))
+
+
+def _normalizer_ok(backend: Any) -> bool:
+    """No normalizer, or one that leaves ASCII as it is (alone or in a ``Sequence``)."""
+    if backend.normalizer is None:
+        return True
+    try:
+        state = json.loads(backend.normalizer.__getstate__())
+    except Exception:  # a custom (Python) normalizer: nothing is proven
+        return False
+    parts = state.get("normalizers") if state.get("type") == "Sequence" else [state]
+    return parts is not None and all(part.get("type") in _ASCII_NEUTRAL for part in parts)
 
 
 def _pattern_of(state: dict[str, Any]) -> str | None:
@@ -116,13 +177,13 @@ class WordEncoder:
         self._normalized_tokens = tuple(t.content for t in added if t.normalized and t.content)
         self._canonical = canonical
         self.max_words = max_words
-        self._words: dict[str, tuple[int, ...]] = {}
+        self._words: OrderedDict[str, tuple[int, ...]] = OrderedDict()
 
     @classmethod
     def for_backend(cls, backend: Any, canonical: list[int], max_words: int) -> WordEncoder | None:
         """A ``WordEncoder`` for ``backend`` (a ``tokenizers.Tokenizer`` that ``PieceEncoder``
         already accepts), or None where the module docstring's conditions do not hold."""
-        if max_words <= 0 or backend.normalizer is not None:
+        if max_words <= 0 or not _normalizer_ok(backend):
             return None
         if type(backend.model).__name__ != "BPE" or getattr(backend.model, "dropout", None):
             return None
@@ -133,11 +194,13 @@ class WordEncoder:
         except Exception:  # a custom (Python) pre-tokenizer: nothing is proven
             return None
         pattern = _pattern_of(state)
-        if pattern is None:
+        if pattern is None or not _portable(pattern):
             return None
         try:
             words = cls(backend, pattern, canonical, max_words)
         except (regex.error, ValueError):  # a pattern the regex module cannot read
+            return None
+        if _matches_empty(words._split):
             return None
         for text in CHECK_TEXTS:
             theirs = backend.encode(text, add_special_tokens=False).ids
@@ -183,10 +246,11 @@ class WordEncoder:
         tokens = self._tokenize(split.translate(self._byte_level))
         canonical = self._canonical
         ids = tuple(canonical[t.id] if t.id < len(canonical) else t.id for t in tokens)
-        cache = self._words
-        cache[split] = ids
-        if len(cache) > self.max_words:  # the oldest first: a dict keeps insertion order
-            del cache[next(iter(cache))]
+        if len(split) <= MAX_WORD_CHARS:
+            cache = self._words
+            cache[split] = ids
+            if len(cache) > self.max_words:
+                cache.popitem(last=False)
         return ids
 
     def __len__(self) -> int:

@@ -23,7 +23,7 @@ from tokenizers import (
 
 from app.bench.chat import DEMO_MODEL
 from app.chat.pieces import PieceEncoder, control_tokens
-from app.chat.words import CHECK_TEXTS, SAFE_CHARS, WordEncoder
+from app.chat.words import CHECK_TEXTS, MAX_WORD_CHARS, SAFE_CHARS, WordEncoder, _portable
 from tests.support.chat_models import tokenizer_dir
 
 CORPUS = [
@@ -160,8 +160,8 @@ def test_a_tokenizer_not_proven_has_no_word_encoder(change: Any) -> None:
 
 def test_a_pattern_the_regex_module_reads_otherwise_is_declined() -> None:
     """``$`` ends every line in Oniguruma (Ruby's syntax), only the text in Python: in a check
-    text, ``three`` before a blank line is one split to the library and five here (each letter),
-    so the encoder gives up."""
+    text, ``three`` before a blank line is one split to the library and five here (each letter).
+    The portability scan refuses the pattern (and the check texts would have)."""
     pattern = r"[a-z]+$|[a-z]|\s+|."
     tokenizer = _split(r"[a-z]+|\s+|.")  # learns whole words' merges
     tokenizer.pre_tokenizer = _split_then_byte_level(pattern)
@@ -171,6 +171,55 @@ def test_a_pattern_the_regex_module_reads_otherwise_is_declined() -> None:
     assert unchecked.encode("three\n\nnewlines") != _theirs(tokenizer, "three\n\nnewlines")
     assert _words(tokenizer) is None
     assert _words(_split(r"[a-z]+|\s+|.")) is not None
+
+
+@pytest.mark.parametrize(
+    ("pattern", "portable"),
+    [
+        (r"(?i:'s|'t)|[^\r\n\p{L}\p{N}]?\p{L}+|\s+(?!\S)|\s+", True),
+        (r"[\^a]+|[^^]|\$", True),  # ^ and $ escaped or inside a class
+        (r"(?<=a)b|(?:c)|.", True),
+        (r"^\s+|.", False),
+        (r"\w+$|.", False),
+        (r"\h+|.", False),
+        (r"\Aa|.", False),
+        (r"(?m)a|.", False),
+        (r"(?s:.)", False),
+    ],
+)
+def test_patterns_the_engines_read_differently_are_refused(pattern: str, portable: bool) -> None:
+    assert _portable(pattern) is portable
+
+
+def test_a_pattern_that_matches_empty_is_refused() -> None:
+    """Oniguruma steps past an empty match otherwise than the regex module (the library splits
+    ``hello`` into letters with this one, the regex module does not)."""
+    assert _words(_split(r"x*|\w+")) is None
+
+
+def test_a_unicode_normalizer_is_admitted_and_others_are_not(
+    backends: dict[str, Tokenizer],
+) -> None:
+    """Qwen's tokenizer.json has an NFC normalizer, which leaves ASCII as it is."""
+    tokenizer = Tokenizer.from_str(backends["chatml"].to_str())
+    tokenizer.normalizer = normalizers.NFC()
+    words = _words(tokenizer)
+    assert words is not None
+    rng = random.Random(8)
+    for _ in range(300):
+        text = "".join(rng.choice(ALPHABET) for _ in range(rng.randint(0, 30)))
+        assert words.encode(text) == _theirs(tokenizer, text), repr(text)
+    tokenizer.normalizer = normalizers.Sequence([normalizers.NFKC(), normalizers.Lowercase()])
+    assert _words(tokenizer) is None
+
+
+def test_a_long_word_is_encoded_but_not_kept(backends: dict[str, Tokenizer]) -> None:
+    backend = backends["demo"]
+    words = _words(backend)
+    assert words is not None
+    long_word = " " + "ab" * MAX_WORD_CHARS
+    assert words.encode(long_word + " x") == _theirs(backend, long_word + " x")
+    assert list(words._words) == [" x"]
 
 
 def test_a_pattern_with_groups_and_gaps_splits_as_the_library_does() -> None:
