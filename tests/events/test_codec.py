@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import datetime
+import enum
 import uuid
 from typing import Any
 
@@ -29,6 +30,15 @@ from events.codec import (
     decode_events,
     encode_events,
 )
+
+
+class _Plain(enum.Enum):
+    A = 1
+
+
+class _Level(enum.IntEnum):
+    HOST = 1
+
 
 MAX_U64 = 2**64 - 1
 BIG = 2**63  # the first hash that does not fit a signed 64-bit integer
@@ -365,9 +375,18 @@ def test_encoding_a_hash_beyond_uint64_raises_value_error() -> None:
         uuid.UUID(int=7),
         1.5j,
         -(2**63) - 1,
+        _Plain.A,
     ],
 )
 def test_encoding_what_msgpack_refuses_raises_value_error(token: Any) -> None:
     event = KVCacheEvent(0, StoredData(None, [StoredBlock(1, (1, token))]), 4096)
     with pytest.raises(ValueError, match="cannot encode KV cache events"):
         encode_events([event])
+
+
+def test_an_int_enum_is_packed_as_its_int_as_msgpack_packs_it() -> None:
+    event = KVCacheEvent(0, StoredData(None, [StoredBlock(1, (1, _Level.HOST))]), 4096)
+    assert encode_events([event]) == encode_events(
+        [KVCacheEvent(0, StoredData(None, [StoredBlock(1, (1, 1))]), 4096)]
+    )
+    assert encode_events([event]) == msgpack.packb([_as_arrays(event)], use_bin_type=True)
