@@ -64,16 +64,17 @@ class ViewConfig:
     read_interval_s: float = 0.0  # the consumer's XREADs, at most this often (0: at once)
 
     def __post_init__(self) -> None:
-        check_read_interval(self.read_interval_s * 1000, self.max_lag_ms)
+        check_read_interval(self.read_interval_s, self.max_lag_ms)
 
 
-def check_read_interval(read_interval_ms: float, max_lag_ms: float) -> None:
+def check_read_interval(read_interval_s: float, max_lag_ms: float) -> None:
     """Refuse reading the streams so seldom that a busy worker's entries wait unread for half
-    of ``max_lag_ms``: the view would call workers stale between its own reads."""
-    if read_interval_ms > max_lag_ms / 2:
+    of ``max_lag_ms``: the view would call workers stale between its own reads. (The settings
+    and ``ViewConfig`` call it with the same seconds, so they agree to the last bit.)"""
+    if read_interval_s > max_lag_ms / 2_000:
         raise ValueError(
-            f"event_read_interval_ms: {read_interval_ms:g} is more than half of max_lag_ms "
-            f"({max_lag_ms:g}); entries unread that long make a worker look stale"
+            f"event_read_interval_ms: {read_interval_s * 1000:g} is more than half of "
+            f"max_lag_ms ({max_lag_ms:g}); entries unread that long make a worker look stale"
         )
 
 

@@ -32,7 +32,7 @@ class DashboardSettings(Settings):
 
     @model_validator(mode="after")
     def _read_interval_valid(self) -> DashboardSettings:
-        check_read_interval(self.event_read_interval_ms, self.max_lag_ms)
+        check_read_interval(self.event_read_interval_ms / 1000, self.max_lag_ms)
         return self
 
     def view_config(self) -> ViewConfig:

@@ -161,7 +161,7 @@ class RouterSettings(Settings):
     @model_validator(mode="after")
     def _cross_field_checks(self) -> RouterSettings:
         self.weights()  # raises ValueError naming the bad field
-        check_read_interval(self.event_read_interval_ms, self.max_lag_ms)
+        check_read_interval(self.event_read_interval_ms / 1000, self.max_lag_ms)
         return self
 
     def weights(self) -> Weights:
