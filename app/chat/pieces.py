@@ -137,8 +137,9 @@ def control_tokens(backend: Any) -> tuple[str, ...] | None:
 
 @dataclass(frozen=True, slots=True)
 class PieceCacheInfo:
-    """The cache's counters since it was made (pieces found and encoded, characters sent to the
-    tokenizer, requests that started from a remembered prefix) and what it holds."""
+    """The cache's counters since it was made (pieces found and encoded, characters encoded,
+    by the tokenizer or word by word, requests that started from a remembered prefix) and what
+    it holds."""
 
     hits: int
     misses: int

@@ -11,7 +11,7 @@ schema's other fields, each of its exact JSON type and in range (``max_tokens``,
 null), and any other keys (ignored, as the schema allows). Everything else goes to the FastAPI
 route, which answers it exactly as before: text prompts, streams, retention, values the schema
 would coerce (``"4"``, ``2.0``, a ``true`` among the ids), a second prompt
-(``prompt_token_ids``), a key given twice, anything it refuses, malformed JSON, a body not
+(``prompt_token_ids``, or ``prompt`` twice), anything it refuses, malformed JSON, a body not
 sent as JSON, a streamed body or one past the body limit (``BodyLimit``'s), a query string, and
 every request the checks of ``tokens_job`` refuse (400).
 The engine's refusals (429, 503, 409) are answered here, by the same mapping as the route's
@@ -123,7 +123,7 @@ def plain_job(runtime: WorkerRuntime, body: bytes, shape: ModelShape) -> Job | N
         or data.get("retention") is not None
     ):
         return None
-    words = parsed.words
+    words = parsed.words.copy()  # kept by the job: not a view of the scan's larger buffer
     try:
         return tokens_job(
             words.tolist(),  # the manager's keys are made of ints

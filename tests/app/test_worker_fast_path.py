@@ -40,7 +40,7 @@ CASES: list[tuple[Any, str, str, bool]] = [
         True,
     ),
     # Bools among the ids (read as their ints), then after the whitespace case another key
-    # named prompt, a key twice, a nested or escaped key: the route's, answered alike.
+    # named prompt, the prompt twice, a nested or escaped key: the route's, answered alike.
     (
         {"prompt": [1, True, False, 3], "max_tokens": 1, "request_id": "c"},
         "application/json",
