@@ -101,6 +101,13 @@ ALPHABET = (
 )
 
 
+def _same_on_random_ascii(words: WordEncoder, backend: Tokenizer, seed: int, count: int) -> None:
+    rng = random.Random(seed)
+    for _ in range(count):
+        text = "".join(rng.choice(ALPHABET) for _ in range(rng.randint(0, 30)))
+        assert words.encode(text) == _theirs(backend, text), repr(text)
+
+
 @pytest.mark.parametrize("model", ["llama3", "chatml", "demo", "gpt2"])
 def test_random_ascii_is_encoded_as_the_library_encodes_it(
     model: str, backends: dict[str, Tokenizer]
@@ -108,11 +115,8 @@ def test_random_ascii_is_encoded_as_the_library_encodes_it(
     backend = backends[model]
     words = _words(backend)
     assert words is not None
-    rng = random.Random(5)
-    for _ in range(1_500):
-        text = "".join(rng.choice(ALPHABET) for _ in range(rng.randint(0, 30)))
-        assert words.encode(text) == _theirs(backend, text), repr(text)
-    every = "".join(rng.choice(SAFE_CHARS) for _ in range(5_000))
+    _same_on_random_ascii(words, backend, seed=5, count=1_500)
+    every = "".join(random.Random(6).choice(SAFE_CHARS) for _ in range(5_000))
     assert words.encode(every) == _theirs(backend, every)
     assert 0 < len(words) <= 1 << 16
 
@@ -205,10 +209,7 @@ def test_a_unicode_normalizer_is_admitted_and_others_are_not(
     tokenizer.normalizer = normalizers.NFC()
     words = _words(tokenizer)
     assert words is not None
-    rng = random.Random(8)
-    for _ in range(300):
-        text = "".join(rng.choice(ALPHABET) for _ in range(rng.randint(0, 30)))
-        assert words.encode(text) == _theirs(tokenizer, text), repr(text)
+    _same_on_random_ascii(words, tokenizer, seed=8, count=300)
     tokenizer.normalizer = normalizers.Sequence([normalizers.NFKC(), normalizers.Lowercase()])
     assert _words(tokenizer) is None
 
