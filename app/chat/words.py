@@ -82,7 +82,8 @@ CHECK_TEXTS = (
 
 def _portable(pattern: str) -> bool:
     """Whether ``pattern`` avoids what Oniguruma and the ``regex`` module read differently:
-    ``^``/``$`` outside a class, the escapes of ``_UNPORTABLE_ESCAPES``, inline flags but ``i``."""
+    ``^``/``$`` outside a class, the escapes of ``_UNPORTABLE_ESCAPES``, inline flags but ``i``,
+    and inside a class a nested class, an intersection (``&&``) or a leading ``]``."""
     in_class = False
     i = 0
     while i < len(pattern):
@@ -93,10 +94,14 @@ def _portable(pattern: str) -> bool:
             i += 2
             continue
         if in_class:
+            if char == "[" or pattern.startswith("&&", i):  # Oniguruma's nested classes and
+                return False  # intersections are literal characters to the regex module
             in_class = char != "]"
         elif char == "[":
             in_class = True
             i += 2 if pattern[i + 1 : i + 2] == "^" else 1  # a negated class's ^ is its own
+            if pattern[i : i + 1] == "]":  # a leading ] is read two ways
+                return False
             continue
         elif char in "^$":
             return False

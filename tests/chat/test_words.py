@@ -189,6 +189,10 @@ def test_a_pattern_the_regex_module_reads_otherwise_is_declined() -> None:
         (r"\Aa|.", False),
         (r"(?m)a|.", False),
         (r"(?s:.)", False),
+        (r"[a-z&&[^aeiou]]+|.", False),
+        (r"[[:alpha:]]+|.", False),
+        (r"[]a]|.", False),
+        (r"[^]a]|.", False),
     ],
 )
 def test_patterns_the_engines_read_differently_are_refused(pattern: str, portable: bool) -> None:
