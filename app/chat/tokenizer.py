@@ -167,9 +167,13 @@ class ModelTokenizer:
         admits add the same ids before and after any text (``special_ends``)."""
         if self._text_ends is not None and self._pieces is not None:
             head, tail = self._text_ends
-            return [*head, *self._pieces.encode(text), *tail]
-        ids: list[int] = self._backend.encode(text, add_special_tokens=True).ids
-        return ids
+            ids = self._pieces.encode(text)  # a new list: extended in place, not copied
+            if head:
+                ids[:0] = head
+            ids += tail
+            return ids
+        whole: list[int] = self._backend.encode(text, add_special_tokens=True).ids
+        return whole
 
     def render_chat(
         self,
