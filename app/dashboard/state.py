@@ -63,6 +63,26 @@ class DecisionLike(Protocol):
     def costs(self) -> Sequence[_CostLike]: ...
 
 
+# (id, time, request id, kind, the decision, prompt tokens): a decision as recorded.
+_Recorded = tuple[int, float, str, str, DecisionLike, int]
+
+
+def _row(recorded: _Recorded) -> dict[str, Any]:
+    decision_id, t, request_id, kind, decision, num_tokens = recorded
+    return {
+        "id": decision_id,
+        "t": round(t, 3),
+        "request_id": request_id,
+        "kind": kind,
+        "policy": decision.policy,
+        "worker": decision.worker,
+        "num_tokens": num_tokens,
+        "expected_cached_tokens": decision.expected_cached_tokens,
+        "fresh": decision.fresh,
+        "costs": {c.worker: round(c.cost, 3) for c in decision.costs},
+    }
+
+
 @dataclass(slots=True)
 class _Prefix:
     count: int
@@ -98,9 +118,12 @@ class DashboardState:
         self._feed_budget_at = 0.0
         self._feed_budget = feed_per_interval
         self.num_skipped = 0
-        self._decisions: deque[dict[str, Any]] | None = (
+        # The router's last decisions as it made them; the table's rows are built when read (a
+        # row per decision cost more than the decision itself: a dict and a cost per worker).
+        self._decisions: deque[_Recorded] | None = (
             deque(maxlen=decisions_size) if record_decisions else None
         )
+        self._rows: dict[int, dict[str, Any]] = {}  # id -> row, for those recorded
         self._next_decision_id = 1
         # Prefixes by first block hash: requested (router) and stored from the root (events).
         self._requested: dict[int, _Prefix] = {}
@@ -153,18 +176,7 @@ class DashboardState:
         """The router's hook: a decision for the table, a request for the prefix map."""
         if self._decisions is not None:
             self._decisions.append(
-                {
-                    "id": self._next_decision_id,
-                    "t": round(self.clock(), 3),
-                    "request_id": request_id,
-                    "kind": kind,
-                    "policy": decision.policy,
-                    "worker": decision.worker,
-                    "num_tokens": num_tokens,
-                    "expected_cached_tokens": decision.expected_cached_tokens,
-                    "fresh": decision.fresh,
-                    "costs": {c.worker: round(c.cost, 3) for c in decision.costs},
-                }
+                (self._next_decision_id, self.clock(), request_id, kind, decision, num_tokens)
             )
             self._next_decision_id += 1
         if block_hashes:
@@ -253,7 +265,14 @@ class DashboardState:
         return {"step_s": 1, "end": end, "series": series}
 
     def decisions(self) -> list[dict[str, Any]] | None:
-        return list(self._decisions) if self._decisions is not None else None
+        """The recorded decisions as the table's rows, oldest first; a row is built once."""
+        if self._decisions is None:
+            return None
+        built, rows = self._rows, {}
+        for recorded in self._decisions:
+            rows[recorded[0]] = built.get(recorded[0]) or _row(recorded)
+        self._rows = rows
+        return list(rows.values())
 
     def prefixes(self, index: PrefixIndex, workers: Sequence[str]) -> dict[str, Any]:
         """The most requested prefixes (the router's requests; else the most stored roots)

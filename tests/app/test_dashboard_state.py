@@ -147,3 +147,25 @@ def test_decisions_and_the_prefix_map() -> None:
         (hex_hash(other[0]), 1),
     ]
     assert DashboardState(record_decisions=False).decisions() is None
+
+
+def test_decisions_ring_builds_each_row_once() -> None:
+    state = DashboardState(clock=Clock(), decisions_size=2)
+    decision = Decision(
+        worker="w1",
+        policy="kv_aware",
+        expected_cached_tokens=0,
+        costs=(Cost("w1", 2.0, 0, 2.0, 0.0, True),),
+        fresh=False,
+    )
+    for i in range(3):
+        state.on_decision(f"r{i}", "route", decision, 16, [])
+    first = state.decisions() or []
+    assert [(d["id"], d["request_id"], d["fresh"]) for d in first] == [
+        (2, "r1", False),
+        (3, "r2", False),
+    ]
+    state.on_decision("r3", "route", decision, 16, [])
+    second = state.decisions() or []
+    assert [d["id"] for d in second] == [3, 4]
+    assert second[0] is first[1]  # the row of decision 3, built when first read
