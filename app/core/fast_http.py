@@ -3,15 +3,27 @@
 A ``POST /route`` that the router answers in about 100 µs of its own cost uvicorn another
 150 µs: a scope, a ``RequestResponseCycle``, a task, the middleware, and two socket writes (the
 head, then the body). ``fast_protocol(app)`` is uvicorn's ``HttpToolsProtocol`` with a table of
-synchronous *fast routes* (``app.state.fast_routes``: exact URL -> ``(headers, body) -> JSON
-bytes or None``): a POST to one of them is buffered instead of starting a cycle, and answered
-with one write when the route gives its answer. When it gives None (anything but its plain
-case) or raises (logged), the request is handed to the ASGI app exactly as uvicorn would have
-handed it, body included, so the two paths differ only in cost.
+*fast routes* (``app.state.fast_routes``: exact URL -> ``(headers, body) -> answer``): a POST to
+one of them is buffered instead of starting a cycle, and the route is called with it once it is
+whole. Its answer is one of:
+
+* JSON bytes: a 200 with that body, written at once;
+* an awaitable of a ``RawAnswer`` (status, headers, body): the answer of a route that must wait
+  on something (the router's proxied completion waits on its worker). The connection counts as
+  busy until it is written, so that a request pipelined behind it waits in uvicorn's queue;
+  a connection lost meanwhile gets nothing, and an awaitable that raises is logged and
+  answered with uvicorn's own 500;
+* None: anything but the route's plain case. The request is handed to the ASGI app exactly as
+  uvicorn would have handed it, body included, so the paths differ only in cost. A route that
+  raises (logged) is handed over alike.
+
+A route decides between these synchronously, before anything is awaited: a request it has
+started to answer is never handed over.
 
 Only the simple case is taken: HTTP/1.1 keep-alive, a Content-Length within
-``app.state.fast_max_body_bytes``, no ``Expect`` or ``Transfer-Encoding``, and no earlier
-request on the connection still being answered (pipelining keeps uvicorn's order).
+``app.state.fast_max_body_bytes``, no ``Expect``, ``Transfer-Encoding`` or ``Upgrade``, and no
+earlier request on the connection still being answered (pipelining keeps uvicorn's order). The
+ASGI scope is built only for a request that the app answers.
 
 The protocol runs on ``app.core.http_protocol``'s joining transport, so that every other answer
 (a proxied completion's head and body, say) also leaves in one write.
@@ -20,7 +32,8 @@ The protocol runs on ``app.core.http_protocol``'s joining transport, so that eve
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
+from http import HTTPStatus
 from typing import Any
 
 from fastapi import FastAPI
@@ -28,15 +41,42 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from app.core.http_protocol import OneWriteHttpToolsProtocol
 
-__all__ = ["FastRoute", "fast_protocol"]
+__all__ = ["FastRoute", "RawAnswer", "fast_protocol"]
 
 logger = logging.getLogger(__name__)
 
+# An answer given later: (status, headers other than Content-Length, body).
+RawAnswer = tuple[int, list[tuple[bytes, bytes]], bytes]
+
 # (the request's headers, lower-case names, as uvicorn gives them; its body) -> a 200's JSON
-# body, or None: the ASGI app answers.
-FastRoute = Callable[[list[tuple[bytes, bytes]], bytes], bytes | None]
+# body, an awaitable of the answer, or None: the ASGI app answers.
+FastRoute = Callable[[list[tuple[bytes, bytes]], bytes], bytes | Awaitable[RawAnswer] | None]
 
 _HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+_FAILED: RawAnswer = (
+    500,
+    [(b"content-type", b"text/plain; charset=utf-8"), (b"connection", b"close")],
+    b"Internal Server Error",
+)
+
+
+class _NoEvent:
+    def set(self) -> None:  # nothing reads the request's body once the route has it
+        pass
+
+
+class _Pending:
+    """What uvicorn reads of a request cycle (``self.cycle``), for an answer that a fast route
+    gives later: a request pipelined behind it is queued until it is complete, a shutdown asks
+    it not to keep the connection, a lost connection marks it."""
+
+    __slots__ = ("disconnected", "keep_alive", "response_complete")
+    message_event = _NoEvent()
+
+    def __init__(self) -> None:
+        self.response_complete = False
+        self.keep_alive = True
+        self.disconnected = False
 
 
 def fast_protocol(app: FastAPI) -> type[HttpToolsProtocol] | None:
@@ -62,8 +102,18 @@ class _FastProtocol(OneWriteHttpToolsProtocol):
         self._fast_body = bytearray()
 
     def on_message_begin(self) -> None:
-        super().on_message_begin()
+        # uvicorn's, less the ASGI scope: a fast route never needs one (``_begin_scope``).
+        self.url = b""
+        self.expect_100_continue = False
+        self.headers = []
         self._fast_route = None
+
+    def _begin_scope(self) -> None:
+        """uvicorn's ``on_message_begin``, keeping the URL and headers parsed since."""
+        url, headers, expect = self.url, self.headers, self.expect_100_continue
+        super().on_message_begin()
+        self.url, self.headers, self.expect_100_continue = url, headers, expect
+        self.scope["headers"] = headers
 
     def on_headers_complete(self) -> None:
         route = self.routes.get(self.url)
@@ -73,11 +123,13 @@ class _FastProtocol(OneWriteHttpToolsProtocol):
             and (self.cycle is None or self.cycle.response_complete)
             and self.parser.get_http_version() == "1.1"
             and self.parser.should_keep_alive()
+            and not self.parser.should_upgrade()
             and self._plain_length()
         ):
             self._fast_route = route
             self._fast_body = bytearray()
             return
+        self._begin_scope()
         super().on_headers_complete()
 
     def _plain_length(self) -> bool:
@@ -111,9 +163,13 @@ class _FastProtocol(OneWriteHttpToolsProtocol):
             logger.exception("fast route %r failed; the ASGI app answers", self.url)
             answer = None
         if answer is None:  # uvicorn's own way, as if it had never been held back
+            self._begin_scope()
             super().on_headers_complete()
             self.cycle.body += body
             super().on_message_complete()
+            return
+        if not isinstance(answer, bytes):
+            self._answer_later(answer)
             return
         head = [_HEAD % len(answer)]
         for name, value in self.server_state.default_headers:
@@ -121,3 +177,42 @@ class _FastProtocol(OneWriteHttpToolsProtocol):
         head += (b"\r\n", answer)
         self.transport.write(b"".join(head))
         self.on_response_complete()
+
+    def _answer_later(self, answer: Awaitable[RawAnswer]) -> None:
+        pending = _Pending()
+        self.cycle = pending  # type: ignore[assignment]
+        task = self.loop.create_task(self._write_later(pending, answer, self.url))
+        task.add_done_callback(self.tasks.discard)
+        self.tasks.add(task)  # a graceful shutdown waits for it, as for an ASGI cycle
+
+    async def _write_later(
+        self, pending: _Pending, answer: Awaitable[RawAnswer], url: bytes
+    ) -> None:
+        try:
+            status, headers, body = await answer
+        except Exception:
+            logger.exception("fast route %r failed while answering", url)
+            status, headers, body = _FAILED
+            pending.keep_alive = False
+        if pending.disconnected or self.transport.is_closing():
+            pending.response_complete = True
+            return
+        head = [b"HTTP/1.1 %d %s\r\n" % (status, _reason(status))]
+        for name, value in (*headers, *self.server_state.default_headers):
+            head += (name, b": ", value, b"\r\n")
+        if not pending.keep_alive and (b"connection", b"close") not in headers:
+            head.append(b"connection: close\r\n")
+        head += (b"content-length: %d\r\n\r\n" % len(body), body)
+        self.transport.write(b"".join(head))
+        pending.response_complete = True
+        if pending.keep_alive:
+            self.on_response_complete()  # starts a pipelined request, or arms the keep-alive
+        else:
+            self.transport.close()
+
+
+def _reason(status: int) -> bytes:
+    try:
+        return HTTPStatus(status).phrase.encode()
+    except ValueError:
+        return b""

@@ -1,16 +1,19 @@
 """``app.core.fast_http`` itself, under a real uvicorn server on a loopback port, as
 ``app.core.http.uvicorn_config`` runs every service: pipelined requests on one keep-alive
 socket are answered in order whichever path takes each (the fast route's, the ASGI app's: the
-test app's differ, to tell them apart; one behind an ASGI answer still pending goes the ASGI
-app's way, as documented), and a fast route that raises hands its request to the ASGI app
-instead of failing the connection."""
+test app's differ, to tell them apart; one behind an answer still pending goes the ASGI
+app's way, as documented), a fast route that raises hands its request to the ASGI app
+instead of failing the connection, and an answer given later (an awaitable) is written when
+it comes, is a 500 that closes the connection if it fails, and is dropped if the client has
+gone."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any
 
 import orjson
 import pytest
@@ -18,17 +21,29 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from app.core.fast_http import RawAnswer
 from app.core.http import uvicorn_config
 from app.core.net import free_port
 
 
-def _route(headers: list[tuple[bytes, bytes]], body: bytes) -> bytes | None:
+def _route(
+    headers: list[tuple[bytes, bytes]], body: bytes
+) -> bytes | Coroutine[Any, Any, RawAnswer] | None:
     if body == b"boom":
         raise RuntimeError("the fast route failed")
     fields = orjson.loads(body)
+    if "later" in fields:
+        return _later(fields)
     if fields.get("fast"):
         return orjson.dumps({"path": "fast", "n": fields["n"]})
     return None  # anything but the plain case: the ASGI app answers
+
+
+async def _later(fields: dict[str, Any]) -> RawAnswer:
+    await asyncio.sleep(fields["later"])
+    if fields.get("fail"):
+        raise RuntimeError("the answer failed")
+    return 201, [(b"content-type", b"application/json")], orjson.dumps({"path": "later"})
 
 
 def _app() -> FastAPI:
@@ -37,7 +52,10 @@ def _app() -> FastAPI:
     @app.post("/route")
     async def route(request: Request) -> JSONResponse:
         body = await request.body()
-        return JSONResponse({"path": "asgi", "body": body.decode()}, status_code=202)
+        answer = {"path": "asgi", "body": body.decode()}
+        if "x-probe" in request.headers:  # the headers parsed before the fast route gave up
+            answer["probe"] = request.headers["x-probe"]
+        return JSONResponse(answer, status_code=202)
 
     @app.get("/health")
     async def health() -> dict[str, bool]:
@@ -72,10 +90,10 @@ async def _serving() -> AsyncIterator[tuple[asyncio.StreamReader, asyncio.Stream
         await asyncio.wait_for(task, 10)
 
 
-def _post(body: bytes) -> bytes:
+def _post(body: bytes, headers: bytes = b"") -> bytes:
     return (
-        b"POST /route HTTP/1.1\r\nhost: t\r\ncontent-type: application/json\r\n"
-        b"content-length: %d\r\n\r\n%s" % (len(body), body)
+        b"POST /route HTTP/1.1\r\nhost: t\r\ncontent-type: application/json\r\n%s"
+        b"content-length: %d\r\n\r\n%s" % (headers, len(body), body)
     )
 
 
@@ -123,3 +141,58 @@ async def test_a_fast_route_that_raises_is_logged_and_the_asgi_app_answers(
     failures = [r for r in caplog.records if r.name == "app.core.fast_http"]
     assert len(failures) == 1 and failures[0].exc_info is not None
     assert "the fast route failed" in str(failures[0].exc_info[1])
+
+
+async def test_the_asgi_app_gets_the_headers_the_fast_route_saw() -> None:
+    async with _serving() as (reader, writer):
+        writer.write(_post(b'{"fast": false}', b"x-probe: 7\r\n"))
+        answers = [await _answer(reader)]
+        writer.write(_post(b'{"fast": true, "n": 4}', b"x-probe: 8\r\n"))
+        answers.append(await _answer(reader))
+    assert answers == [
+        (202, b'{"path":"asgi","body":"{\\"fast\\": false}","probe":"7"}'),
+        (200, b'{"path":"fast","n":4}'),
+    ]
+
+
+async def test_an_answer_given_later_keeps_the_connections_order() -> None:
+    async with _serving() as (reader, writer):
+        # The first waits; the two behind it wait in uvicorn's queue, and the ASGI app answers
+        # them (as for any request queued behind one still being answered).
+        writer.write(_post(b'{"later": 0.05}') + _post(b'{"fast": false}') + _post(b'{"later": 0}'))
+        answers = [await _answer(reader) for _ in range(3)]
+        writer.write(_post(b'{"fast": true, "n": 5}'))
+        answers.append(await _answer(reader))
+    assert answers == [
+        (201, b'{"path":"later"}'),
+        (202, b'{"path":"asgi","body":"{\\"fast\\": false}"}'),
+        (202, b'{"path":"asgi","body":"{\\"later\\": 0}"}'),  # queued: the ASGI app's
+        (200, b'{"path":"fast","n":5}'),
+    ]
+
+
+async def test_an_answer_that_fails_later_is_a_500_and_the_connection_closes(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level(logging.ERROR, logger="app.core.fast_http"):
+        async with _serving() as (reader, writer):
+            writer.write(_post(b'{"later": 0, "fail": true}'))
+            answer = await _answer(reader)
+            assert await asyncio.wait_for(reader.read(), 10) == b""  # closed by the server
+    assert answer == (500, b"Internal Server Error")
+    failures = [r for r in caplog.records if r.name == "app.core.fast_http"]
+    assert len(failures) == 1 and failures[0].exc_info is not None
+    assert "the answer failed" in str(failures[0].exc_info[1])
+
+
+async def test_a_client_gone_before_the_answer_gets_nothing_and_the_server_goes_on() -> None:
+    async with _serving() as (reader, writer):
+        host, port = writer.get_extra_info("peername")[:2]
+        gone_reader, gone = await asyncio.open_connection(host, port)
+        gone.write(_post(b'{"later": 0.1}'))
+        await gone.drain()
+        gone.close()
+        await asyncio.sleep(0.2)  # its answer came due after it had left
+        assert await gone_reader.read() == b""
+        writer.write(_post(b'{"later": 0}'))
+        assert await _answer(reader) == (201, b'{"path":"later"}')
