@@ -12,8 +12,10 @@ out of range, malformed JSON, a body not sent as JSON, a model not served) goes 
 route, which answers it, errors included, exactly as it would have; a test holds both paths to
 the same answers. The OpenAPI schema is the FastAPI routes'.
 
-``route_answer`` is synchronous, so that a server can also answer ``/route`` from its protocol
-without an ASGI cycle (``app.core.fast_http``). A completion is forwarded as the client's own
+Both are also answered from the server's protocol, without an ASGI cycle (``fast_routes``,
+``app.core.fast_http``): ``route_answer`` is synchronous, and ``completion_answer`` decides
+synchronously whether it takes a body, then gives the worker's answer to await. A completion
+is forwarded as the client's own
 bytes: an engine behind ``kvmesh ingest`` gets the body as it came, a kvmesh worker the same
 with the router's ``request_id`` added (the token ids are not parsed into ints, nor written
 again).
@@ -21,15 +23,17 @@ again).
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import orjson
 from fastapi import FastAPI
+from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from app.core.asgi import read_body, replay, send_json
 from app.core.errors import ApiError
-from app.core.fast_http import FastRoute
+from app.core.fast_http import FastRoute, RawAnswer
 from app.core.token_json import TokenBody, parse_token_body
 from app.router import schemas
 from app.router.core import NoWorkerError
@@ -76,16 +80,17 @@ class FastPath:
                 await send_json(send, 200, answer)
                 return
         else:
-            response = await completion_answer(runtime, body, session or None)
-            if response is not None:
+            proxied = completion_answer(runtime, body, session or None)
+            if proxied is not None:
+                response = await proxied
                 await response(scope, receive, send)
                 return
         await self.app(scope, replay(body, receive), send)
 
 
 def fast_routes(app: FastAPI, max_body_bytes: int) -> dict[bytes, FastRoute]:
-    """``POST /route`` for the server's protocol (``app.core.fast_http``), answered as
-    ``FastPath`` answers it."""
+    """``POST /route`` and ``POST /v1/completions`` for the server's protocol
+    (``app.core.fast_http``), answered as ``FastPath`` answers them."""
 
     def route(headers: list[tuple[bytes, bytes]], body: bytes) -> bytes | None:
         session = plain_headers(headers, max_body_bytes)
@@ -94,7 +99,26 @@ def fast_routes(app: FastAPI, max_body_bytes: int) -> dict[bytes, FastRoute]:
             return None
         return route_answer(runtime, body, session or None)
 
-    return {b"/route": route}
+    def completion(
+        headers: list[tuple[bytes, bytes]], body: bytes
+    ) -> Coroutine[Any, Any, RawAnswer] | None:
+        session = plain_headers(headers, max_body_bytes)
+        runtime: RouterRuntime | None = getattr(app.state, "runtime", None)
+        if session is None or runtime is None:
+            return None
+        answer = completion_answer(runtime, body, session or None)
+        return None if answer is None else _raw(answer)
+
+    return {b"/route": route, b"/v1/completions": completion}
+
+
+async def _raw(answer: Awaitable[Response]) -> RawAnswer:
+    """A whole (not streamed) Response as the protocol writes it."""
+    response = await answer
+    if isinstance(response, StreamingResponse):  # only non-streamed bodies are taken
+        raise TypeError("a streamed answer on the protocol's path")
+    headers = [item for item in response.raw_headers if item[0] != b"content-length"]
+    return response.status_code, headers, bytes(response.body)
 
 
 def plain_headers(headers: list[tuple[bytes, bytes]], max_body_bytes: int) -> str | None:
@@ -168,9 +192,12 @@ def route_answer(runtime: RouterRuntime, body: bytes, session: str | None) -> by
     return orjson.dumps(route_body(runtime, decision, prompt, seconds))
 
 
-async def completion_answer(runtime: RouterRuntime, body: bytes, session: str | None) -> Any:
-    """The worker's answer to a plain, non-streamed ``/v1/completions`` body (a Response), or
-    None when the FastAPI route must answer."""
+def completion_answer(
+    runtime: RouterRuntime, body: bytes, session: str | None
+) -> Coroutine[Any, Any, Response] | None:
+    """The worker's answer to a plain, non-streamed ``/v1/completions`` body (a Response, to
+    await), or None when the FastAPI route must answer. Which of the two is decided before
+    anything is awaited (as ``app.core.fast_http`` requires)."""
     parsed = parse_token_body(body)
     if parsed is None or parsed.key != "prompt":
         return None
@@ -200,6 +227,16 @@ async def completion_answer(runtime: RouterRuntime, body: bytes, session: str | 
     def payload(foreign: bool) -> bytes:
         return body if foreign else ours
 
+    return _proxied(runtime, fields, prompt, request_id, payload)
+
+
+async def _proxied(
+    runtime: RouterRuntime,
+    fields: schemas.PromptFields,
+    prompt: Prompt,
+    request_id: str,
+    payload: Callable[[bool], bytes],
+) -> Response:
     try:
         return await proxy(runtime, fields, False, prompt, request_id, "/v1/completions", payload)
     except NoWorkerError as exc:

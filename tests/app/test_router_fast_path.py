@@ -3,16 +3,22 @@ routes: the same status and body for good and bad input, and which bodies it tak
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 import numpy as np
 import orjson
 import pytest
+import uvicorn
 
-from app.core.http import front_of
+from app.core.http import front_of, uvicorn_config
+from app.core.net import free_port
 from app.core.token_json import parse_token_body
-from app.router.fast_path import route_answer
+from app.router.fast_path import fast_routes, route_answer
+from app.router.runtime import RouterRuntime
 from app.services import router_app
 from events.publisher import EventPublisher
 from events.redis_io import redis_client
@@ -156,3 +162,108 @@ async def test_the_fast_path_and_the_framework_answer_alike(
         finally:
             await publisher.aclose()
             await redis.aclose()
+
+
+@contextlib.asynccontextmanager
+async def _served(app: Any) -> AsyncIterator[str]:
+    """``app`` under a real uvicorn server, configured as ``kvmesh router`` runs it."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, "warning"))
+    task = asyncio.create_task(server.serve())
+    try:
+        await eventually(lambda: server.started)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(task, 10)
+
+
+async def _pipelined(url: str, bodies: list[bytes]) -> list[tuple[int, Any]]:
+    """``bodies`` POSTed to /v1/completions at once on one connection; (status, JSON) each."""
+    host, _, port = url.removeprefix("http://").partition(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(
+            b"".join(
+                b"POST /v1/completions HTTP/1.1\r\nhost: r\r\ncontent-type: application/json"
+                b"\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+                for body in bodies
+            )
+        )
+        answers = []
+        for _ in bodies:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+            length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+            answers.append((int(head[9:12]), orjson.loads(await reader.readexactly(length))))
+        return answers
+    finally:
+        writer.close()
+
+
+async def test_the_servers_protocol_answers_completions_as_the_framework_does(
+    clean_redis_url: str,
+) -> None:
+    """A real server answers plain completions from its protocol (``fast_routes``): the same
+    status, body and worker header as the FastAPI route, pipelined requests in order, and the
+    503 of a worker gone."""
+    routes = fast_routes(router_app(router_settings(clean_redis_url)), 1 << 20)
+    assert set(routes) == {b"/route", b"/v1/completions"}
+    engine_running = JsonServer(_echo).running()
+    engine = engine_running.__enter__()
+    redis = redis_client(clean_redis_url)
+    publisher = await _publisher(redis, engine.url)
+    served, full_app = (router_app(router_settings(clean_redis_url)) for _ in range(2))
+    try:
+        async with (
+            _served(served) as url,
+            full_app.router.lifespan_context(full_app),
+            httpx.AsyncClient(base_url=url) as real,
+            httpx.AsyncClient(
+                transport=httpx.ASGITransport(app=full_app), base_url="http://r"
+            ) as full,
+        ):
+            runtimes: list[RouterRuntime] = [served.state.runtime, full_app.state.runtime]
+            await eventually(lambda: all(r.readiness()["ready"] for r in runtimes))
+
+            async def both(body: bytes) -> list[httpx.Response]:
+                return [
+                    await c.post("/v1/completions", content=body, headers=J) for c in (real, full)
+                ]
+
+            for body, taken in COMPLETION_CASES:
+                answers = await both(body)
+                assert answers[0].status_code == answers[1].status_code, body
+                assert answers[0].json() == answers[1].json(), body
+                if taken:  # (not taken may still be a 200: pydantic reads true as 1)
+                    assert answers[0].status_code == 200, body
+                    assert answers[0].headers["x-kvmesh-worker"] == "w0"
+                    assert answers[0].headers["content-type"] == "application/json"
+                    assert answers[0].headers["content-length"] == str(len(answers[0].content))
+            # Pipelined: in order, whichever path answers each (the second is not plain).
+            bodies = [
+                orjson.dumps({"prompt": P[:3], "max_tokens": 1}),
+                orjson.dumps({"prompt": P[:5], "max_tokens": 0}),
+                orjson.dumps({"prompt": P[:7], "max_tokens": 1}),
+            ]
+            pipelined = await _pipelined(url, bodies)
+            assert [(status, answer.get("num_tokens")) for status, answer in pipelined] == [
+                (200, 3),
+                (400, None),
+                (200, 7),
+            ]
+            engine_running.__exit__(None, None, None)  # the worker goes away
+            gone = await both(orjson.dumps({"prompt": P, "request_id": "gone"}))
+            # Refused, and no other worker to try: a 503 to come back later, both ways.
+            assert [a.status_code for a in gone] == [503, 503]
+            assert gone[0].json() == gone[1].json()
+            assert gone[0].headers["retry-after"] == gone[1].headers["retry-after"] == "1"
+            assert gone[0].json()["error"] == {
+                "message": "no worker is left",
+                "type": "unavailable_error",
+                "param": None,
+                "code": None,
+            }
+    finally:
+        engine_running.__exit__(None, None, None)
+        await publisher.aclose()
+        await redis.aclose()
