@@ -34,6 +34,7 @@ from starlette.types import Receive, Scope, Send
 from app.core.asgi import read_body, replay, send_json
 from app.core.errors import ApiError
 from app.core.fast_http import FastRoute, RawAnswer
+from app.core.http import error
 from app.core.token_json import TokenBody, parse_token_body
 from app.router import schemas
 from app.router.core import NoWorkerError
@@ -237,6 +238,13 @@ async def _proxied(
     request_id: str,
     payload: Callable[[bool], bytes],
 ) -> Response:
+    try:
+        # Again: the protocol starts this coroutine an iteration after the first check, and
+        # another request may have taken the id meanwhile. From here to the flight's start
+        # (in ``proxy``, before its first await) nothing else runs.
+        request_id_of(runtime, request_id, "cmpl")
+    except ApiError as exc:  # the answer the app's handler gives
+        return error(exc.status, exc.message, exc.kind, exc.param, exc.code, **exc.headers)
     try:
         return await proxy(runtime, fields, False, prompt, request_id, "/v1/completions", payload)
     except NoWorkerError as exc:

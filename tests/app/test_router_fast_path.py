@@ -17,7 +17,7 @@ import uvicorn
 from app.core.http import front_of, uvicorn_config
 from app.core.net import free_port
 from app.core.token_json import parse_token_body
-from app.router.fast_path import fast_routes, route_answer
+from app.router.fast_path import completion_answer, fast_routes, route_answer
 from app.router.runtime import RouterRuntime
 from app.services import router_app
 from events.publisher import EventPublisher
@@ -267,3 +267,35 @@ async def test_the_servers_protocol_answers_completions_as_the_framework_does(
         engine_running.__exit__(None, None, None)
         await publisher.aclose()
         await redis.aclose()
+
+
+async def test_a_request_id_taken_between_the_check_and_the_flight_is_refused(
+    clean_redis_url: str,
+) -> None:
+    """The protocol runs a completion's answer an iteration after its checks: two bodies with
+    one id, both checked before either runs, get one answer and one 400, as the app gives."""
+    with JsonServer(_echo).running() as engine:
+        redis = redis_client(clean_redis_url)
+        publisher = await _publisher(redis, engine.url)
+        app = router_app(router_settings(clean_redis_url))
+        try:
+            async with app.router.lifespan_context(app):
+                runtime = app.state.runtime
+                await eventually(lambda: runtime.readiness()["ready"])
+                body = orjson.dumps({"prompt": P, "request_id": "twice"})
+                first, second = (completion_answer(runtime, body, None) for _ in range(2))
+                assert first is not None and second is not None  # both checked, neither begun
+                answers = await asyncio.gather(first, second)
+                assert [a.status_code for a in answers] == [200, 400]
+                assert orjson.loads(bytes(answers[1].body)) == {
+                    "error": {
+                        "message": "request_id: 'twice' is already in flight",
+                        "type": "invalid_request_error",
+                        "param": "request_id",
+                        "code": None,
+                    }
+                }
+                assert "twice" not in runtime.core.inflight  # the first's flight ended
+        finally:
+            await publisher.aclose()
+            await redis.aclose()
