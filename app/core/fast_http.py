@@ -8,11 +8,13 @@ one of them is buffered instead of starting a cycle, and the route is called wit
 whole. Its answer is one of:
 
 * JSON bytes: a 200 with that body, written at once;
-* an awaitable of a ``RawAnswer`` (status, headers, body): the answer of a route that must wait
-  on something (the router's proxied completion waits on its worker). The connection counts as
-  busy until it is written, so that a request pipelined behind it waits in uvicorn's queue;
-  a connection lost meanwhile gets nothing, and an awaitable that raises is logged and
-  answered with uvicorn's own 500;
+* an awaitable of a ``RawAnswer`` (status, headers other than Content-Length, a body: not a
+  204 or 304): the answer of a route that must wait on something (the router's proxied
+  completion waits on its worker), awaited in a task of the connection's. The connection counts
+  as busy until it is written, so that a request pipelined behind it waits in uvicorn's queue;
+  a connection lost meanwhile gets nothing; an awaitable that raises is logged and answered
+  with uvicorn's own 500, and the connection closed, as is one cancelled (a shutdown's
+  deadline passed);
 * None: anything but the route's plain case. The request is handed to the ASGI app exactly as
   uvicorn would have handed it, body included, so the paths differ only in cost. A route that
   raises (logged) is handed over alike.
@@ -23,7 +25,8 @@ started to answer is never handed over.
 Only the simple case is taken: HTTP/1.1 keep-alive, a Content-Length within
 ``app.state.fast_max_body_bytes``, no ``Expect``, ``Transfer-Encoding`` or ``Upgrade``, and no
 earlier request on the connection still being answered (pipelining keeps uvicorn's order). The
-ASGI scope is built only for a request that the app answers.
+ASGI scope is built only for a request that the app answers. uvicorn's ``limit_concurrency``
+does not apply to the fast routes (kvmesh does not set it).
 
 The protocol runs on ``app.core.http_protocol``'s joining transport, so that every other answer
 (a proxied completion's head and body, say) also leaves in one write.
@@ -179,6 +182,9 @@ class _FastProtocol(OneWriteHttpToolsProtocol):
         self.on_response_complete()
 
     def _answer_later(self, answer: Awaitable[RawAnswer]) -> None:
+        # A keep-alive timer armed by an earlier answer in the same read would close the
+        # connection under this one (only ``data_received`` unsets it).
+        self._unset_keepalive_if_required()
         pending = _Pending()
         self.cycle = pending  # type: ignore[assignment]
         task = self.loop.create_task(self._write_later(pending, answer, self.url))
@@ -189,14 +195,25 @@ class _FastProtocol(OneWriteHttpToolsProtocol):
         self, pending: _Pending, answer: Awaitable[RawAnswer], url: bytes
     ) -> None:
         try:
-            status, headers, body = await answer
-        except Exception:
-            logger.exception("fast route %r failed while answering", url)
-            status, headers, body = _FAILED
-            pending.keep_alive = False
+            try:
+                status, headers, body = await answer
+            except Exception:
+                logger.exception("fast route %r failed while answering", url)
+                status, headers, body = _FAILED
+            self._write(pending, status, headers, body)
+        finally:
+            if not pending.response_complete:  # cancelled (a shutdown's deadline), or a bug
+                pending.response_complete = True
+                self.transport.close()
+
+    def _write(
+        self, pending: _Pending, status: int, headers: list[tuple[bytes, bytes]], body: bytes
+    ) -> None:
         if pending.disconnected or self.transport.is_closing():
             pending.response_complete = True
             return
+        if (b"connection", b"close") in headers:
+            pending.keep_alive = False
         head = [b"HTTP/1.1 %d %s\r\n" % (status, _reason(status))]
         for name, value in (*headers, *self.server_state.default_headers):
             head += (name, b": ", value, b"\r\n")
@@ -208,6 +225,7 @@ class _FastProtocol(OneWriteHttpToolsProtocol):
         if pending.keep_alive:
             self.on_response_complete()  # starts a pipelined request, or arms the keep-alive
         else:
+            self.server_state.total_requests += 1
             self.transport.close()
 
 

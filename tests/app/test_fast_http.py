@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse
 from app.core.fast_http import RawAnswer
 from app.core.http import uvicorn_config
 from app.core.net import free_port
+from tests.support.wait import eventually
 
 
 def _route(
@@ -39,10 +40,14 @@ def _route(
     return None  # anything but the plain case: the ASGI app answers
 
 
+ANSWERED: list[float] = []  # the delays of the later answers given, in order
+
+
 async def _later(fields: dict[str, Any]) -> RawAnswer:
     await asyncio.sleep(fields["later"])
     if fields.get("fail"):
         raise RuntimeError("the answer failed")
+    ANSWERED.append(fields["later"])
     return 201, [(b"content-type", b"application/json")], orjson.dumps({"path": "later"})
 
 
@@ -185,14 +190,31 @@ async def test_an_answer_that_fails_later_is_a_500_and_the_connection_closes(
     assert "the answer failed" in str(failures[0].exc_info[1])
 
 
-async def test_a_client_gone_before_the_answer_gets_nothing_and_the_server_goes_on() -> None:
+async def test_a_client_gone_before_the_answer_gets_nothing_and_the_server_goes_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    ANSWERED.clear()
+    with caplog.at_level(logging.WARNING):
+        async with _serving() as (reader, writer):
+            host, port = writer.get_extra_info("peername")[:2]
+            _, gone = await asyncio.open_connection(host, port)
+            gone.write(_post(b'{"later": 0.1}'))
+            await gone.drain()
+            gone.close()
+            await eventually(lambda: ANSWERED == [0.1])  # its answer came after it had left
+            writer.write(_post(b'{"later": 0}'))
+            assert await _answer(reader) == (201, b'{"path":"later"}')
+    assert ANSWERED == [0.1, 0]
+    assert [r.getMessage() for r in caplog.records] == []  # nothing written to a closed socket
+
+
+async def test_an_answer_given_later_has_the_servers_headers_and_one_length() -> None:
     async with _serving() as (reader, writer):
-        host, port = writer.get_extra_info("peername")[:2]
-        gone_reader, gone = await asyncio.open_connection(host, port)
-        gone.write(_post(b'{"later": 0.1}'))
-        await gone.drain()
-        gone.close()
-        await asyncio.sleep(0.2)  # its answer came due after it had left
-        assert await gone_reader.read() == b""
         writer.write(_post(b'{"later": 0}'))
-        assert await _answer(reader) == (201, b'{"path":"later"}')
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        body = await reader.readexactly(16)
+    lines = head.decode("latin-1").split("\r\n")
+    assert lines[0] == "HTTP/1.1 201 Created"
+    names = [line.partition(":")[0] for line in lines[1:] if line]
+    assert names == ["content-type", "date", "server", "content-length"]
+    assert "content-length: 16" in lines and body == b'{"path":"later"}'
