@@ -309,8 +309,9 @@ def _install_error_handlers(app: FastAPI, retry_after_s: int) -> None:
 
 def install(app: FastAPI, settings: RouterSettings) -> None:
     """The router's routes, its error handlers, the body limit, and the fast path in front of
-    them all (``app.state.asgi_front``: what a server runs, ``app.core.http``), and
-    ``/route``'s in the server's protocol (``app.state.fast_routes``, ``app.core.fast_http``)."""
+    them all (``app.state.asgi_front``: what a server runs, ``app.core.http``), and the same
+    for ``/route`` and ``/v1/completions`` in the server's protocol (``app.state.fast_routes``,
+    ``app.core.fast_http``)."""
     _install_error_handlers(app, settings.retry_after_s)
     app.include_router(_routing_router())
     app.include_router(_cluster_router(settings))

@@ -213,6 +213,18 @@ async def test_the_servers_protocol_answers_completions_as_the_framework_does(
     redis = redis_client(clean_redis_url)
     publisher = await _publisher(redis, engine.url)
     served, full_app = (router_app(router_settings(clean_redis_url)) for _ in range(2))
+    # Which bodies the protocol's route took: the three paths answer alike by design, so the
+    # test must see that the one under test answered.
+    took: list[bytes] = []
+    completion_route = served.state.fast_routes[b"/v1/completions"]
+
+    def counted(headers: list[tuple[bytes, bytes]], body: bytes) -> Any:
+        answer = completion_route(headers, body)
+        if answer is not None:
+            took.append(body)
+        return answer
+
+    served.state.fast_routes = {**served.state.fast_routes, b"/v1/completions": counted}
     try:
         async with (
             _served(served) as url,
@@ -234,9 +246,11 @@ async def test_the_servers_protocol_answers_completions_as_the_framework_does(
                 answers = await both(body)
                 assert answers[0].status_code == answers[1].status_code, body
                 assert answers[0].json() == answers[1].json(), body
+                assert (took[-1:] == [body]) == taken, body
                 if taken:  # (not taken may still be a 200: pydantic reads true as 1)
                     assert answers[0].status_code == 200, body
                     assert answers[0].headers["x-kvmesh-worker"] == "w0"
+                    assert answers[1].headers["x-kvmesh-worker"] == "w0"
                     assert answers[0].headers["content-type"] == "application/json"
                     assert answers[0].headers["content-length"] == str(len(answers[0].content))
             # Pipelined: in order, whichever path answers each (the second is not plain).
@@ -245,12 +259,15 @@ async def test_the_servers_protocol_answers_completions_as_the_framework_does(
                 orjson.dumps({"prompt": P[:5], "max_tokens": 0}),
                 orjson.dumps({"prompt": P[:7], "max_tokens": 1}),
             ]
+            took.clear()
             pipelined = await _pipelined(url, bodies)
             assert [(status, answer.get("num_tokens")) for status, answer in pipelined] == [
                 (200, 3),
                 (400, None),
                 (200, 7),
             ]
+            assert took == bodies[:1]  # the ones behind it waited, and the ASGI app answered
+            assert pipelined[1][1] == (await both(bodies[1]))[1].json()
             engine_running.__exit__(None, None, None)  # the worker goes away
             gone = await both(orjson.dumps({"prompt": P, "request_id": "gone"}))
             # Refused, and no other worker to try: a 503 to come back later, both ways.
