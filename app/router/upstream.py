@@ -22,7 +22,9 @@ Exceptions (httpx's names, so that the 502s say what they said before)::
     UpstreamError
     ├── ConnectError        the worker refused or could not be reached
     ├── ConnectTimeout      no connection within ``connect_timeout_s``
-    ├── ReadTimeout         no answer (or no next part of it) within ``read_timeout_s``
+    ├── ReadTimeout         no head, no next part of a streamed or chunked answer, or not
+    │                       the whole of a body of known length read by ``aread``, within
+    │                       ``read_timeout_s``
     ├── ReadError           the connection failed while reading or writing
     └── RemoteProtocolError the worker closed without an answer, or answered something else
 
@@ -149,11 +151,15 @@ class _Connection:
         sock = writer.get_extra_info("socket")
         self.fd: int = sock.fileno() if sock is not None else -1
 
+    def open(self) -> bool:
+        """Neither side has closed it, as far as the loop has seen."""
+        return not (self.writer.is_closing() or self.reader.at_eof())
+
     def usable(self) -> bool:
         """Open, and nothing to read: between answers a worker sends nothing, so a readable
         socket is one it has closed (its FIN in, not yet seen by the loop) or spoken out of turn
         on (as httpcore checks a pooled connection)."""
-        if self.writer.is_closing() or self.reader.at_eof():
+        if not self.open():
             return False
         if self.fd < 0:
             return True
@@ -197,7 +203,19 @@ class _Response:
         self._reusable = keep_alive and (self._chunked or self._length is not None)
 
     async def aread(self) -> bytes:
-        return b"".join([chunk async for chunk in self.aiter_raw()])
+        connection = self._connection
+        if connection is None or self._chunked or self._length is None:
+            return b"".join([chunk async for chunk in self.aiter_raw()])
+        # The usual answer, a body of known length (a completion's JSON): one read, and one
+        # timeout for the whole of it.
+        self._connection = None
+        try:
+            data = await self._client.read(connection.reader.readexactly(self._length))
+        except BaseException:
+            connection.close()
+            raise
+        self._done(connection)
+        return data
 
     async def aiter_raw(self) -> AsyncIterator[bytes]:
         connection = self._connection
@@ -211,6 +229,10 @@ class _Response:
             connection.close()
             raise
         self._connection = None
+        self._done(connection)
+
+    def _done(self, connection: _Connection) -> None:
+        """The answer read to its end: the connection back to the pool, or closed."""
         if self._reusable:
             self._client.release(self._key, connection)
         else:
@@ -364,9 +386,11 @@ class WorkerClient:
         return _Connection(reader, writer)
 
     def release(self, key: tuple[str, int], connection: _Connection) -> None:
-        """A connection whose answer was read to the end, back to the pool."""
+        """A connection whose answer was read to the end, back to the pool. (Whether the
+        worker closed it since is asked of the socket when it is taken again, not here: one
+        system call a request fewer.)"""
         idle = self._idle.setdefault(key, [])
-        if self._closed or len(idle) >= self.max_idle_per_worker or not connection.usable():
+        if self._closed or len(idle) >= self.max_idle_per_worker or not connection.open():
             connection.close()
             return
         connection.idle_since = time.monotonic()

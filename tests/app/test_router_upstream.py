@@ -258,6 +258,11 @@ async def test_each_failure_is_its_own_error() -> None:
         answer = await upstream.post(f"http://127.0.0.1:{server.port}/x", b"{}")
         with pytest.raises(ReadTimeout):  # the rest of the body never comes
             await answer.aread()
+    async with serving(lambda n: truncated + CLOSE) as server:
+        answer = await upstream.post(f"http://127.0.0.1:{server.port}/x", b"{}")
+        with pytest.raises(RemoteProtocolError, match="closed in the middle of its answer"):
+            await answer.aread()
+    assert upstream.idle_connections() == 0  # neither was kept
     await upstream.aclose()
 
 
