@@ -114,6 +114,13 @@ async def _answer(reader: asyncio.StreamReader) -> tuple[int, bytes]:
         return int(lines[0].split(" ")[1]), await reader.readexactly(length)
 
 
+def _logged_once(caplog: pytest.LogCaptureFixture, failure: str) -> None:
+    """``app.core.fast_http`` logged one failure, with the exception that says ``failure``."""
+    failures = [r for r in caplog.records if r.name == "app.core.fast_http"]
+    assert len(failures) == 1 and failures[0].exc_info is not None
+    assert failure in str(failures[0].exc_info[1])
+
+
 async def test_pipelined_requests_are_answered_in_order_on_either_path() -> None:
     async with _serving() as (reader, writer):
         writer.write(
@@ -143,9 +150,7 @@ async def test_a_fast_route_that_raises_is_logged_and_the_asgi_app_answers(
             writer.write(_post(b'{"fast": true, "n": 3}'))  # the same connection, still open
             answers.append(await _answer(reader))
     assert answers == [(202, b'{"path":"asgi","body":"boom"}'), (200, b'{"path":"fast","n":3}')]
-    failures = [r for r in caplog.records if r.name == "app.core.fast_http"]
-    assert len(failures) == 1 and failures[0].exc_info is not None
-    assert "the fast route failed" in str(failures[0].exc_info[1])
+    _logged_once(caplog, "the fast route failed")
 
 
 async def test_the_asgi_app_gets_the_headers_the_fast_route_saw() -> None:
@@ -185,9 +190,7 @@ async def test_an_answer_that_fails_later_is_a_500_and_the_connection_closes(
             answer = await _answer(reader)
             assert await asyncio.wait_for(reader.read(), 10) == b""  # closed by the server
     assert answer == (500, b"Internal Server Error")
-    failures = [r for r in caplog.records if r.name == "app.core.fast_http"]
-    assert len(failures) == 1 and failures[0].exc_info is not None
-    assert "the answer failed" in str(failures[0].exc_info[1])
+    _logged_once(caplog, "the answer failed")
 
 
 async def test_a_client_gone_before_the_answer_gets_nothing_and_the_server_goes_on(
