@@ -163,8 +163,9 @@ class RouterCore:
     def set_stale(self, worker: str, reason: str | None) -> None:
         """Mark ``worker``'s data stale (``reason``) or fresh (None)."""
         view = self.workers.get(worker)
-        if view is not None:
+        if view is not None and view.stale_reason != reason:
             view.stale_reason = reason
+            view.changed()  # its candidates say whether it is fresh
 
     # -- decisions -----------------------------------------------------------------------------
 
@@ -219,25 +220,12 @@ class RouterCore:
                 get = predicted.get
                 while depth < num_blocks and get(block_hashes[depth], 0.0) > now:
                     depth += 1  # predicted blocks count as GPU blocks: they were just made
-            queued, running, active, free = view.load_terms()
-            step_s, prefill_s, decode_s, step_tokens = view.speed_terms()
             out.append(
-                Candidate(
-                    worker=worker,
-                    matched_blocks=depth,
-                    host_blocks=host,
-                    queued_prefill_tokens=queued,
-                    running=running,
-                    active_blocks=active,
-                    free_blocks=free,
-                    capacity_blocks=view.capacity_blocks,
-                    cached_blocks=self._num_cached(worker) if tree_sizes else 0,
-                    fresh=view.stale_reason is None,
-                    session=worker == session_worker,
-                    step_s=step_s,
-                    prefill_s=prefill_s,
-                    decode_s=decode_s,
-                    step_tokens=step_tokens,
+                view.candidate(
+                    depth,
+                    host,
+                    worker == session_worker,
+                    self._num_cached(worker) if tree_sizes else 0,
                 )
             )
         return out

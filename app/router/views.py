@@ -8,8 +8,11 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from app.core.step_speed import speed_from_load
+from app.router.policies.base import Candidate
 
 __all__ = ["InFlight", "RoutingState", "WorkerView"]
+
+_CANDIDATES = 64  # candidates a view keeps (see WorkerView.candidate)
 
 RoutingState = Literal["up", "stale", "draining", "cordoned"]
 
@@ -37,6 +40,7 @@ class WorkerView:
     remote_blocks: int = 0
     _terms: tuple[int, int, int, int] | None = None
     _speed: tuple[float, float, float, int] | None = None  # parsed from load; see speed_terms
+    _candidates: dict[tuple[int, int, bool, int], Candidate] = field(default_factory=dict)
 
     def load_terms(self) -> tuple[int, int, int, int]:
         """(queued prefill tokens, running, active blocks, free blocks): the worker's report
@@ -48,12 +52,57 @@ class WorkerView:
         return terms
 
     def changed(self) -> None:
+        """Its load, capacity or freshness changed: the cached terms are read again."""
         self._terms = None
+        self._candidates.clear()
 
     def set_load(self, load: dict[str, int]) -> None:
         self.load = load
         self._terms = None
+        self._candidates.clear()
         self._speed = None  # parsed again from the new report, once
+
+    def candidate(
+        self, matched_blocks: int, host_blocks: int, session: bool, cached_blocks: int
+    ) -> Candidate:
+        """The worker as a policy sees it for a request whose first ``matched_blocks`` it
+        holds (``host_blocks`` of them on the host tier). Requests that share a prefix (a
+        system prompt, an agent's context) match a worker to the same depth, so a candidate is
+        the same for many requests until the view changes: it is built once (16 keyword
+        fields are ~0.8 µs, per worker per request) and kept, the last ``_CANDIDATES`` kinds.
+        Candidates are never changed once built (``Candidate``), so one may serve many
+        decisions."""
+        key = (matched_blocks, host_blocks, session, cached_blocks)
+        kept = self._candidates
+        found = kept.get(key)
+        if found is None:
+            if len(kept) >= _CANDIDATES:
+                kept.clear()
+            found = kept[key] = self._candidate(*key)
+        return found
+
+    def _candidate(
+        self, matched_blocks: int, host_blocks: int, session: bool, cached_blocks: int
+    ) -> Candidate:
+        queued, running, active, free = self.load_terms()
+        step_s, prefill_s, decode_s, step_tokens = self.speed_terms()
+        return Candidate(
+            worker=self.worker,
+            matched_blocks=matched_blocks,
+            host_blocks=host_blocks,
+            queued_prefill_tokens=queued,
+            running=running,
+            active_blocks=active,
+            free_blocks=free,
+            capacity_blocks=self.capacity_blocks,
+            cached_blocks=cached_blocks,
+            fresh=self.stale_reason is None,
+            session=session,
+            step_s=step_s,
+            prefill_s=prefill_s,
+            decode_s=decode_s,
+            step_tokens=step_tokens,
+        )
 
     def speed_terms(self) -> tuple[float, float, float, int]:
         """(step s, prefill s per token, decode s per sequence, step token budget) as the

@@ -176,6 +176,32 @@ def test_stale_workers_are_flagged_in_the_decision() -> None:
     assert core.decide(core.hashes([1, 2, 3]), 3).fresh is True
 
 
+def test_a_candidate_is_kept_until_its_worker_changes() -> None:
+    core, _ = make_core(2)
+    tokens = list(range(64))
+    hashes = store(core.index, "w0", tokens)  # w0 holds all 4 blocks, w1 none
+    first = {c.worker: c for c in core.candidates(hashes, tree_sizes=False)}
+    again = {c.worker: c for c in core.candidates(hashes, tree_sizes=False)}
+    # The same request sees the same two objects; another depth is another candidate.
+    assert [again[w] is first[w] for w in ("w0", "w1")] == [True, True]
+    shorter = {c.worker: c for c in core.candidates(hashes[:2], tree_sizes=False)}
+    assert (shorter["w0"].matched_blocks, shorter["w1"] is first["w1"]) == (2, True)
+
+    # A request in flight on w1 changes w1's load, and w1 only.
+    core.begin("r1", core.decide(hashes, 64, exclude=("w0",)), hashes, 64)
+    after = {c.worker: c for c in core.candidates(hashes, tree_sizes=False)}
+    assert after["w0"] is first["w0"]
+    assert (after["w1"].matched_blocks, after["w1"].queued_prefill_tokens) == (4, 64)
+    core.finish("r1")
+    core.set_load("w0", {"free_blocks_0": 5_000, "used_blocks_0": 5_000})
+    core.set_stale("w1", "resyncing")
+    fresh = {
+        c.worker: (c.free_blocks, c.queued_prefill_tokens, c.fresh)
+        for c in core.candidates(hashes, tree_sizes=False)
+    }
+    assert fresh == {"w0": (5_000, 0, True), "w1": (10_000, 0, False)}
+
+
 def test_host_tier_matches_and_salted_prompts() -> None:
     index = PrefixIndex()
     core, _ = make_core(2, index=index)
