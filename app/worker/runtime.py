@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
 import time
 from dataclasses import dataclass, field
@@ -25,6 +24,7 @@ from redis.asyncio import Redis
 from app.chat import ModelTokenizer
 from app.core.embedded_redis import EmbeddedRedis
 from app.core.redis import RedisCredentialsError, check_credentials
+from app.core.serving import settle_heap
 from app.core.sim_timing import SimTiming
 from app.worker.backend import Backend, SimBackend
 from app.worker.engine import Engine, EngineConfig, Job, VirtualClock
@@ -194,11 +194,7 @@ class WorkerRuntime:
         runtime.tokenizer = tokenizer
         metrics.bind(settings.worker_id, engine, publisher)
         await publisher.start()
-        # Everything built so far lives as long as the process (every block of the pool, its
-        # key and links): keep the cyclic collector from scanning it again on every full pass.
-        gc.collect()
-        gc.freeze()
-        gc.set_threshold(20_000, 10, 10)
+        settle_heap()  # every block of the pool, its key and links live as long as the process
         runtime.engine_task = asyncio.create_task(
             engine.run(), name=f"kvmesh-engine-{settings.worker_id}"
         )
