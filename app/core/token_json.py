@@ -23,6 +23,7 @@ back, and the vocabulary check reads their maximum: two conversions of ~25 µs s
 from __future__ import annotations
 
 import re
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,13 +51,61 @@ class TokenBody:
 
 try:
     import numba
+    from numba.cpython.unsafe.numbers import trailing_zeros
+
+    _U = np.uint64
+    _ZEROS = _U(0x3030303030303030)  # "0" in every byte
+    _PAST_NINE = _U(0x7676767676767676)  # lifts a byte above 9 past 0x7f
+    _HIGH_BITS = _U(0x8080808080808080)
 
     @numba.njit(cache=True, nogil=True)
-    def _scan(buf: Any, i: int, out: Any) -> tuple[int, int]:  # pragma: no cover - compiled
+    def _scan(  # pragma: no cover - compiled
+        buf: Any, words: Any, spaced: bool, i: int, out: Any
+    ) -> tuple[int, int]:
         """Token ids from ``buf[i:]`` (just after ``[``) into ``out``: (count, the index after
-        ``]``), or (-1, where it stopped) at anything but plain non-negative integers."""
+        ``]``), or (-1, where it stopped) at anything but plain non-negative integers.
+
+        ``words[j]`` is the 8 bytes at ``buf[j]`` as a little-endian uint64 (empty: the byte
+        loop alone). While numbers are 1-7 digits, each right before ``,`` or ``]``, each is
+        read whole from its word: its length from the lowest byte that is not a digit, its
+        value by three multiply-and-mask steps, with no branch on its length; the byte loop
+        mispredicted the end of each number (32.5 µs a 4,096-token body of varied ids; 24 µs
+        this way). The separator is ``,`` (orjson's), or ``, `` (Python's) when ``spaced``:
+        known before, because reading whether a space follows each comma would put that read
+        on the chain from one number's position to the next (+10 µs). Anything else (other
+        whitespace, 8 digits or more, the body's last 8 bytes) goes to the byte loop, from that
+        number to the end."""
         n = buf.shape[0]
         k = 0
+        while i < words.shape[0] and k < out.shape[0]:
+            # A digit's byte becomes 0-9 here; none borrows below the first byte that is not one.
+            word = words[i] - _ZEROS
+            others = (word | (word + _PAST_NINE)) & _HIGH_BITS
+            if others == 0:
+                break  # 8 digits or more
+            length = trailing_zeros(others) >> 3  # type: ignore[call-arg]  # a numba intrinsic
+            if length == 0:
+                break  # not a number here (whitespace?)
+            if length > 1 and word & _U(0xFF) == 0:
+                return -1, i  # a leading zero
+            number = word << _U(64 - 8 * length)  # its digits alone, the first one lowest
+            number = (number * _U(10) + (number >> _U(8))) & _U(0x00FF00FF00FF00FF)
+            number = (number * _U(100) + (number >> _U(16))) & _U(0x0000FFFF0000FFFF)
+            number = (number * _U(10000) + (number >> _U(32))) & _U(0xFFFFFFFF)
+            after = buf[i + length]
+            if after == 44:  # ,
+                out[k] = np.uint32(number)
+                k += 1
+                i += length + 1
+                if spaced:  # the same for every separator: a branch always predicted
+                    if i >= n or buf[i] != 32:
+                        break  # "," after all: the byte loop from this number
+                    i += 1
+            elif after == 93:  # ]
+                out[k] = np.uint32(number)
+                return k + 1, i + length + 1
+            else:
+                break
         while i < n and (buf[i] == 32 or buf[i] == 10 or buf[i] == 13 or buf[i] == 9):
             i += 1
         while True:
@@ -96,6 +145,17 @@ except ImportError:  # pragma: no cover - numba is a declared dependency
     SCAN_IMPL = "orjson"
 
 
+_NO_WORDS = np.zeros(0, dtype=np.uint64)
+
+
+def _words(body: bytes) -> npt.NDArray[np.uint64]:
+    """The 8 bytes at each offset of ``body`` as a uint64 (a view with a stride of one byte;
+    none on a big-endian machine, where the byte loop reads everything)."""
+    if len(body) < 8 or sys.byteorder != "little":
+        return _NO_WORDS
+    return np.ndarray((len(body) - 7,), dtype=np.uint64, buffer=body, strides=(1,))
+
+
 def _words_of(body: bytes, start: int) -> tuple[npt.NDArray[np.uint32], int] | None:
     if _scan is None:  # pragma: no cover - numba is a declared dependency
         end = body.find(b"]", start) + 1
@@ -107,7 +167,9 @@ def _words_of(body: bytes, start: int) -> tuple[npt.NDArray[np.uint32], int] | N
             return None
         return np.array(tokens, dtype=np.uint32), end
     out = np.empty(len(body) // 2 + 1, dtype=np.uint32)
-    count, end = _scan(np.frombuffer(body, dtype=np.uint8), start, out)
+    comma = body.find(b",", start)
+    spaced = comma >= 0 and body[comma + 1 : comma + 2] == b" "
+    count, end = _scan(np.frombuffer(body, dtype=np.uint8), _words(body), spaced, start, out)
     if count <= 0:
         return None
     return out[:count], end

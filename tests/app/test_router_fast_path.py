@@ -64,6 +64,41 @@ def test_token_bodies_are_parsed_exactly() -> None:
         assert parse_token_body(bad) is None, bad
 
 
+def test_long_arrays_are_read_as_orjson_reads_them() -> None:
+    """Arrays long enough for the word-at-a-time reading: every id width, both spacings, a
+    fault anywhere in them, and random bodies, each against ``orjson.loads``."""
+    ids = [0, 7, 10, 99, 100, 4_321, 54_321, 654_321, 7_654_321, 87_654_321, 987_654_321]
+    ids += [1_000_000_000, 4_294_967_295]  # 10 digits: the byte loop's
+    for spacing in (b",", b", ", b" ,\n "):
+        body = b'{"prompt": [' + spacing.join(b"%d" % t for t in ids * 3) + b"]}"
+        parsed = parse_token_body(body)
+        assert parsed is not None and parsed.words.tolist() == ids * 3, spacing
+        assert parsed.end == len(body) - 1
+    good = b",".join(b"%d" % t for t in ids[:9])  # words to the fault (the byte loop then)
+    for fault in (b"01", b"00", b"0123456", b"4294967296", b"12345678901", b"-1", b"1.5", b"2e3"):
+        for body in (
+            b'{"prompt": [' + good + b"," + fault + b"," + good + b"]}",
+            b'{"prompt": [' + good + b"," + fault + b'], "pad": "' + b"x" * 16 + b'"}',
+        ):
+            assert parse_token_body(body) is None, body
+    for fault in (b"1,]", b"1,,2", b"1 2", b"1]]"):
+        assert parse_token_body(b'{"prompt": [' + good + b"," + fault + b"}") is None, fault
+
+    rng = np.random.default_rng(7)
+    for _ in range(200):
+        widths = rng.integers(1, 11, rng.integers(1, 60))
+        tokens = [
+            int(rng.integers(10 ** (w - 1) if w > 1 else 0, min(10**w, 1 << 32))) for w in widths
+        ]
+        spaces = [b"," + b" " * int(rng.integers(0, 2) * rng.integers(0, 3)) for _ in tokens]
+        text = b"".join(b"%d%s" % (t, s) for t, s in zip(tokens, spaces, strict=True))[:-1]
+        body = b'{"prompt_token_ids": [' + text.rstrip(b", ") + b'], "model": null}'
+        parsed = parse_token_body(body)
+        assert (
+            parsed is not None and parsed.words.tolist() == orjson.loads(body)["prompt_token_ids"]
+        )
+
+
 def _echo(path: str, body: Any) -> tuple[int, Any]:
     return 200, {"path": path, "keys": sorted(body), "num_tokens": len(body.get("prompt", []))}
 
