@@ -114,14 +114,14 @@ async def proxy(
         finally:  # whatever happened (an unexpected exception too), no flight is left behind
             if not relayed:
                 core.finish(request_id)
-        metrics.completions.labels(worker=worker, status=str(upstream.status_code)).inc()
+        metrics.count_completion(worker, upstream.status_code)
         return Response(
             data,
             status_code=upstream.status_code,
             media_type=upstream.headers.get("content-type", "application/json"),
             headers=headers,
         )
-    metrics.completions.labels(worker="", status="502").inc()
+    metrics.count_completion("", 502)
     return error(
         502,
         f"no worker answered: {'; '.join(failures)}",
@@ -135,15 +135,15 @@ async def _relay(
     """Pass a worker's stream through chunk by chunk; the first chunk ends the prefill."""
     core = runtime.core
     worker = core.inflight[request_id].worker if request_id in core.inflight else ""
-    status = "200"
+    status = 200
     try:
         async for chunk in upstream.aiter_raw():
             core.prefilled(request_id)
             yield chunk
     except UPSTREAM_ERRORS:
-        status = "502"
+        status = 502
         yield _sse(error_body("the worker failed mid-stream", "upstream_error"))
     finally:
         await upstream.aclose()
         core.finish(request_id)
-        runtime.metrics.completions.labels(worker=worker, status=status).inc()
+        runtime.metrics.count_completion(worker, status)

@@ -76,6 +76,10 @@ def test_router_process_routes_to_the_cache_and_survives_a_killed_worker(
         assert [c["worker"] for c in decision["costs"]] == [other]
         metrics = httpx.get(f"{base}/metrics").text
         assert "kvmesh_router_retries_total 1.0" in metrics
+        # Two answered whole and one streamed by the holder, one by the other.
+        for worker, count in ((holder, 3), (other, 1)):
+            line = f'kvmesh_router_completions_total{{status="200",worker="{worker}"}} {count}.0'
+            assert line in metrics
 
         router.send_signal(signal.SIGTERM)
         assert router.wait(timeout=15) == 0

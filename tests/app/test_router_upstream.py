@@ -318,6 +318,8 @@ async def test_the_proxy_answers_each_upstream_error_with_a_502_and_no_flight_le
         with pytest.raises(ValueError, match="not an upstream error"):
             await router.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 1})
         assert runtime.core.inflight == {}
+        metrics = (await router.get("/metrics")).text
+        assert 'kvmesh_router_completions_total{status="502",worker=""} 6.0' in metrics
         runtime.upstream = real
 
 
