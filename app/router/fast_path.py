@@ -47,7 +47,6 @@ __all__ = ["FastPath", "completion_answer", "fast_routes", "route_answer"]
 _MAX_U64 = (1 << 64) - 1
 _ROUTE_KEYS = frozenset(("lora_task_id", "cache_salt", "model", "user"))
 _PATHS = frozenset(("/route", "/v1/completions"))
-_WS = b" \t\n\r"
 
 
 class FastPath:
@@ -220,8 +219,11 @@ def completion_answer(
         request_id = request_id_of(runtime, given_id, "cmpl")
     except ApiError:
         return None
-    if given_id is None:
-        ours = body.rstrip(_WS)[:-1] + b',"request_id":' + orjson.dumps(request_id) + b"}"
+    if given_id is None:  # the id as the object's last member: one copy of the body
+        close = body.rindex(b"}")
+        ours = b"".join(
+            (memoryview(body)[:close], b',"request_id":', orjson.dumps(request_id), b"}")
+        )
     else:
         ours = body
 

@@ -307,20 +307,20 @@ class WorkerClient:
             return await self.fallback.post(url, body)
         host, port, path = address
         key = (host, port)
-        request = (
+        head = (
             b"POST %s HTTP/1.1\r\nhost: %s:%d\r\ncontent-type: application/json\r\n"
             b"content-length: %d\r\n\r\n" % (path, host.encode(), port, len(body))
-        ) + body
+        )
         if time.monotonic() - self._swept_at >= self._sweep_every_s:
             self.sweep()
         # Sent once: a failure after the write is the caller's (the worker may have read it).
-        return await self._exchange(key, await self._connection(key), request)
+        return await self._exchange(key, await self._connection(key), head, body)
 
     async def _exchange(
-        self, key: tuple[str, int], connection: _Connection, request: bytes
+        self, key: tuple[str, int], connection: _Connection, head: bytes, body: bytes
     ) -> _Response:
         try:
-            connection.writer.write(request)
+            connection.writer.writelines((head, body))  # one writev, the body not copied
             version, status, headers = await self._read_head(connection.reader)
             return _Response(self, key, connection, version, status, headers)
         except BaseException:
