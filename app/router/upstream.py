@@ -328,18 +328,30 @@ class WorkerClient:
             raise
 
     async def read(self, pending: Awaitable[bytes]) -> bytes:
-        """``await pending`` (a stream read) within the read timeout, its errors ours."""
+        """``await pending`` (a stream read) within the read timeout, its errors ours.
+
+        The timeout is ``asyncio.timeout``'s way (the task cancelled at the deadline, that
+        cancellation told from any other by ``uncancel``) without its context manager, whose
+        two coroutines and state were 9 of the 39 µs of CPU of a round trip (two reads)."""
+        task = asyncio.current_task()
+        assert task is not None
+        expired: list[bool] = []
+        cancelling = task.cancelling()
+        handle = asyncio.get_running_loop().call_later(self.read_timeout_s, _expire, task, expired)
         try:
-            async with asyncio.timeout(self.read_timeout_s):
-                data = await pending
-        except TimeoutError:
-            raise ReadTimeout(f"no answer within {self.read_timeout_s} s") from None
+            data = await pending
+        except asyncio.CancelledError:
+            if expired and task.uncancel() <= cancelling:  # ours alone: the deadline passed
+                raise ReadTimeout(f"no answer within {self.read_timeout_s} s") from None
+            raise
         except asyncio.IncompleteReadError:
             raise RemoteProtocolError("the worker closed in the middle of its answer") from None
         except asyncio.LimitOverrunError:
             raise RemoteProtocolError("a line of the answer is too long") from None
         except OSError as exc:
             raise ReadError(str(exc) or type(exc).__name__) from None
+        finally:
+            handle.cancel()
         return data
 
     async def _read_head(self, reader: asyncio.StreamReader) -> tuple[str, int, dict[str, str]]:
@@ -455,6 +467,11 @@ class WorkerClient:
             with contextlib.suppress(OSError):
                 await connection.writer.wait_closed()
         await self.fallback.aclose()
+
+
+def _expire(task: asyncio.Task[object], expired: list[bool]) -> None:
+    expired.append(True)
+    task.cancel()
 
 
 def _address(url: str) -> tuple[str, int, bytes] | None:

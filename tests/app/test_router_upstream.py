@@ -250,6 +250,14 @@ async def test_each_failure_is_its_own_error() -> None:
     async with serving(lambda n: "hang") as server:
         with pytest.raises(ReadTimeout):
             await upstream.post(f"http://127.0.0.1:{server.port}/x", b"{}")
+        task = asyncio.current_task()
+        assert task is not None and task.cancelling() == 0  # the deadline's cancel undone
+        # Cancelled from outside before the deadline: a cancellation, not a timeout.
+        waiting = asyncio.create_task(upstream.post(f"http://127.0.0.1:{server.port}/x", b"{}"))
+        await asyncio.sleep(0.05)
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
     async with serving(lambda n: b"SSH-2.0-OpenSSH\r\n\r\n") as server:
         with pytest.raises(RemoteProtocolError, match=r"not an HTTP/1\.1 answer"):
             await upstream.post(f"http://127.0.0.1:{server.port}/x", b"{}")
