@@ -25,10 +25,9 @@ routed among that model's workers (and those that named none).
 A request's life: ``decide`` -> ``begin`` (counts it in flight, predicts its blocks) ->
 ``prefilled`` (its first token came back) -> ``finish`` (the response ended, well or not).
 
-What the index holds for one of our workers is a chain from the root, and a prediction is the
-rest of a request's chain (its hashes from block 0, less those the index held for that worker
-when it was sent), so a prediction extends a worker's match from where the index's match ends:
-one dict probe per extra block, none when the prediction adds nothing.
+Predictions are whole chains from the root (a request's hashes from block 0), and so is what
+the index holds for one of our workers, so a prediction extends a worker's match from where the
+index's match ends: one dict probe per extra block, none when the prediction adds nothing.
 """
 
 from __future__ import annotations
@@ -100,8 +99,6 @@ class RouterCore:
         self._predicted: dict[str, dict[int, float]] = {}
         self._expiries: deque[tuple[float, str, Sequence[int]]] = deque()
         self._approx_expiries: deque[tuple[float, str, Sequence[int]]] = deque()  # longer TTL
-        # The last decision, and how many of its prompt's blocks the index holds for its worker.
-        self._indexed: tuple[Decision | None, int] = (None, 0)
 
     # -- workers -------------------------------------------------------------------------------
 
@@ -200,17 +197,6 @@ class RouterCore:
         serving ``model`` if one is named), in worker-id order so that every router sees the
         same list. ``tree_sizes=False`` leaves ``cached_blocks`` 0 (a policy that reads it
         declares so: ``needs_tree_sizes``); ``session``'s last worker is marked."""
-        return self._candidates(block_hashes, exclude, tree_sizes, model, session)[0]
-
-    def _candidates(
-        self,
-        block_hashes: Sequence[int],
-        exclude: Iterable[str],
-        tree_sizes: bool,
-        model: str | None,
-        session: str | None,
-    ) -> tuple[list[Candidate], dict[str, tuple[int, int]]]:
-        """``candidates``, and what the index holds of the prompt per worker."""
         predictions = self._predicted
         now = 0.0
         if predictions:
@@ -242,7 +228,7 @@ class RouterCore:
                     self._num_cached(worker) if tree_sizes else 0,
                 )
             )
-        return out, matches
+        return out
 
     def _num_cached(self, worker: str) -> int:
         try:
@@ -265,17 +251,19 @@ class RouterCore:
         ``block_hashes``, among ``model``'s workers. Changes nothing but the policy state;
         ``begin`` records the choice."""
         chosen = policy_named(policy or self.policy)
-        candidates, matches = self._candidates(
-            block_hashes, exclude, chosen.needs_tree_sizes, model, session
+        candidates = self.candidates(
+            block_hashes,
+            exclude=exclude,
+            tree_sizes=chosen.needs_tree_sizes,
+            model=model,
+            session=session,
         )
         if not candidates:
             raise NoWorkerError(self._why_none(exclude, model))
         request = RouteRequest(
             num_tokens, self.tokens_per_block, block_hashes[-1] if block_hashes else num_tokens
         )
-        decision = chosen(request, candidates, weights or self.weights, self.state)
-        self._indexed = (decision, matches.get(decision.worker, _NO_MATCH)[0])
-        return decision
+        return chosen(request, candidates, weights or self.weights, self.state)
 
     def _why_none(self, exclude: Iterable[str], model: str | None = None) -> str:
         """Why no worker can take a request, in the words of a 503."""
@@ -327,12 +315,7 @@ class RouterCore:
             view.num_decisions += 1
             view.changed()
         if block_hashes:
-            decided, indexed = self._indexed
-            # What the index already holds for the worker needs no prediction: a lookup starts
-            # where the index's match ends (and were the worker to evict those blocks, the
-            # index would say so). A prompt of cached blocks then predicts nothing: 256 dict
-            # writes, and as many deletes when they expire, saved per request.
-            self.predict(worker, block_hashes[indexed:] if decided is decision else block_hashes)
+            self.predict(worker, block_hashes)
         for hook in self.flight_hooks:
             hook("begin", flight, block_hashes)
         return flight
@@ -450,11 +433,8 @@ class RouterCore:
     # -- the predicted cache -------------------------------------------------------------------
 
     def predict(self, worker: str, block_hashes: Sequence[int]) -> None:
-        """Assume ``worker`` holds ``block_hashes`` (a chain from the root, or its part below
-        what the index holds) for the TTL (an approximate worker's: ``approx_ttl_s``, within
-        its capacity)."""
-        if not block_hashes:
-            return
+        """Assume ``worker`` holds ``block_hashes`` (a chain from the root) for the TTL (an
+        approximate worker's: ``approx_ttl_s``, within its capacity)."""
         view = self.workers.get(worker)
         if view is not None and view.approximate:
             self._predict_approximate(view, block_hashes)
