@@ -32,9 +32,11 @@ index's match ends: one dict probe per extra block, none when the prediction add
 
 from __future__ import annotations
 
+import math
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
+from itertools import repeat
 from typing import Any
 
 import numpy.typing as npt
@@ -55,6 +57,26 @@ __all__ = ["InFlight", "NoWorkerError", "RouterCore", "RoutingState", "WorkerVie
 
 _NO_MATCH = (0, 0)
 MAX_SESSIONS = 100_000
+
+
+def _predicted_depth(
+    block_hashes: Sequence[int],
+    depth: int,
+    now: float,
+    newer: dict[int, float] | None,
+    older: dict[int, float] | None,
+) -> int:
+    """``depth`` extended by the blocks predicted (unexpired, in either generation) after it."""
+    num_blocks = len(block_hashes)
+    while depth < num_blocks:
+        block_hash = block_hashes[depth]
+        if (newer is not None and newer.get(block_hash, 0.0) > now) or (
+            older is not None and older.get(block_hash, 0.0) > now
+        ):
+            depth += 1
+        else:
+            break
+    return depth
 
 
 class NoWorkerError(Exception):
@@ -95,10 +117,13 @@ class RouterCore:
         self.flight_hooks: list[Callable[[str, InFlight, Sequence[int]], None]] = []
         self.sessions: OrderedDict[str, str] = OrderedDict()  # session -> its last worker
         self._named: list[str] | None = None  # the models named, sorted (cached)
-        # worker -> block hash -> expiry; expiry order for purging.
+        # worker -> block hash -> expiry, the predictions made since the last rotation (and an
+        # approximate worker's, ordered by recency), and those of the generation before; see
+        # ``_purge``.
         self._predicted: dict[str, dict[int, float]] = {}
-        self._expiries: deque[tuple[float, str, Sequence[int]]] = deque()
-        self._approx_expiries: deque[tuple[float, str, Sequence[int]]] = deque()  # longer TTL
+        self._older: dict[str, dict[int, float]] = {}
+        self._rotate_at = -math.inf
+        self._approx_expiries: deque[tuple[float, str, Sequence[int]]] = deque()
 
     # -- workers -------------------------------------------------------------------------------
 
@@ -154,6 +179,7 @@ class RouterCore:
             self._order = sorted(self.workers)
             self._named = None
         self._predicted.pop(worker, None)
+        self._older.pop(worker, None)
 
     def set_load(self, worker: str, load: dict[str, int]) -> None:
         view = self.workers.get(worker)
@@ -197,14 +223,13 @@ class RouterCore:
         serving ``model`` if one is named), in worker-id order so that every router sees the
         same list. ``tree_sizes=False`` leaves ``cached_blocks`` 0 (a policy that reads it
         declares so: ``needs_tree_sizes``); ``session``'s last worker is marked."""
-        predictions = self._predicted
         now = 0.0
-        if predictions:
+        if self._predicted or self._older:
             now = self.clock()
             self._purge(now)
+        predictions, older = self._predicted, self._older
         skip = set(exclude) if exclude else ()
         matches = self.index.find_matches_by_tier(block_hashes) if block_hashes else {}
-        num_blocks = len(block_hashes)
         session_worker = self.sessions.get(session) if session is not None else None
         out: list[Candidate] = []
         for worker in self._order:
@@ -215,11 +240,10 @@ class RouterCore:
                 continue
             depth, gpu = matches.get(worker, _NO_MATCH)
             host = depth - gpu
-            predicted = predictions.get(worker) if predictions else None
-            if predicted:
-                get = predicted.get
-                while depth < num_blocks and get(block_hashes[depth], 0.0) > now:
-                    depth += 1  # predicted blocks count as GPU blocks: they were just made
+            newer = predictions.get(worker) if predictions else None
+            before = older.get(worker) if older else None
+            if newer or before:  # predicted blocks count as GPU blocks: they were just made
+                depth = _predicted_depth(block_hashes, depth, now, newer, before)
             out.append(
                 view.candidate(
                     depth,
@@ -442,9 +466,8 @@ class RouterCore:
         if self.predict_ttl_s <= 0:
             return
         expiry = self.clock() + self.predict_ttl_s
-        predicted = self._predicted.setdefault(worker, {})
-        predicted.update(dict.fromkeys(block_hashes, expiry))
-        self._expiries.append((expiry, worker, block_hashes))
+        # One pass, no dict built on the way (dict.fromkeys and update: 13.5 against 7 µs).
+        self._predicted.setdefault(worker, {}).update(zip(block_hashes, repeat(expiry)))
 
     def _predict_approximate(self, view: WorkerView, block_hashes: Sequence[int]) -> None:
         if self.approx_ttl_s <= 0:
@@ -467,25 +490,40 @@ class RouterCore:
 
     def unpredict(self, worker: str, block_hashes: Sequence[int]) -> None:
         """Forget that ``worker`` holds ``block_hashes``: the request never reached it."""
-        predicted = self._predicted.get(worker)
-        if predicted:
-            for block_hash in block_hashes:
-                predicted.pop(block_hash, None)
+        for generation in (self._predicted, self._older):
+            predicted = generation.get(worker)
+            if predicted:
+                for block_hash in block_hashes:
+                    predicted.pop(block_hash, None)
 
     def num_predicted(self, worker: str) -> int:
         now = self.clock()
-        return sum(1 for expiry in self._predicted.get(worker, {}).values() if expiry > now)
+        generations = (self._predicted.get(worker, {}), self._older.get(worker, {}))
+        return len({h for held in generations for h, expiry in held.items() if expiry > now})
 
     def _purge(self, now: float) -> None:
-        """Forget predictions whose TTL passed (a hash predicted again later stays)."""
-        self._purge_queue(self._expiries, now)
+        """Forget predictions whose TTL passed (a hash predicted again later stays).
+
+        A worker's predictions are not deleted one by one as they expire (256 dict deletes a
+        proxied 4,096-token prompt, 8-10 µs): every ``predict_ttl_s`` the generation made
+        since the last rotation becomes the older one and the older one is dropped whole, all
+        of its predictions having expired by then (each was made before the last rotation).
+        Until then a lookup reads each prediction's own expiry, so one lasts its TTL exactly.
+        An approximate worker's predictions (``approx_ttl_s``, ordered by recency) stay in
+        the newer table and are purged by their expiry queue."""
+        if now >= self._rotate_at:
+            newer, self._older, self._predicted = self._predicted, {}, {}
+            for worker, predicted in newer.items():
+                kept = self._predicted if isinstance(predicted, OrderedDict) else self._older
+                kept[worker] = predicted
+            self._rotate_at = now + self.predict_ttl_s
         self._purge_queue(self._approx_expiries, now)
 
     def _purge_queue(self, expiries: deque[tuple[float, str, Sequence[int]]], now: float) -> None:
         while expiries and expiries[0][0] <= now:
             _, worker, hashes = expiries.popleft()
             predicted = self._predicted.get(worker)
-            if predicted is None:
+            if not isinstance(predicted, OrderedDict):
                 continue
             for block_hash in hashes:
                 if predicted.get(block_hash, now + 1.0) <= now:

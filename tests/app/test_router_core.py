@@ -100,6 +100,32 @@ def test_the_predicted_cache_holds_a_burst_together_until_its_ttl() -> None:
     assert core.num_predicted(first) == 0
 
 
+def test_predictions_last_their_ttl_exactly_and_expired_ones_are_dropped() -> None:
+    core, clock = make_core(2, predict_ttl_s=2.0)
+    first, second = list(range(64)), list(range(1_000, 1_064))  # 4 blocks each
+    h1, h2 = core.hashes(first), core.hashes(second)
+    core.begin("r1", core.decide(h1, 64, exclude=("w1",)), h1, 64)  # w0, at 100.0
+    clock.now = 101.0
+    core.begin("r2", core.decide(h2, 64, exclude=("w1",)), h2, 64)  # w0, at 101.0
+    core.predict("w0", h1[:2])  # the first half of r1's chain again, at 101.0
+
+    def cached() -> tuple[int, ...]:
+        return tuple(core.decide(h, 65).cost_of("w0").cached_tokens for h in (h1, h2))
+
+    clock.now = 101.99
+    assert cached() == (64, 64)
+    clock.now = 102.01  # r1's own prediction expired, its first two blocks' renewed one not
+    assert cached() == (32, 64)
+    assert core.num_predicted("w0") == 6
+    clock.now = 103.01
+    assert cached() == (0, 0)
+    assert core.num_predicted("w0") == 0
+    # The tables hold no more than two TTLs' worth: the expired ones were dropped whole.
+    clock.now = 105.5
+    core.decide(h1, 64)
+    assert core._predicted == {} and core._older == {}
+
+
 def test_a_flight_predicts_its_whole_chain_even_the_part_the_index_holds() -> None:
     """The worker may evict a block of the prefix it held before the request reaches it (a
     leaf, by LRU); the request will make it again there, so the router still counts it."""
