@@ -136,9 +136,8 @@ def test_sigterm_half_way_stops_everything(tmp_path: Path) -> None:
     assert _children_alive("--worker-id kv-aware-") == []
     assert _children_alive(f"--port {port}") == []
     log_dir = _log_dir(seen)
-    print("SEEN-OUTPUT", seen)  # DEBUG
     try:  # stopped half way: the logs are kept, and the last line says where
-        assert seen.splitlines()[-2:] == [  # DEBUG
+        assert seen.splitlines()[-2:] == [
             f"kvmesh demo: logs kept in {log_dir}",
             "kvmesh demo: stopped",
         ]
