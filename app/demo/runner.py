@@ -337,10 +337,16 @@ def _terminate_on_sigterm() -> Iterator[None]:
         signal.raise_signal(signal.SIGINT)
 
     previous = signal.signal(signal.SIGTERM, handler)
+    # A shell starts a background job with SIGINT ignored, and Python then leaves it ignored:
+    # SIGTERM (and Ctrl-C) would do nothing. The demo's way out needs SIGINT's own handler.
+    previous_int = signal.getsignal(signal.SIGINT)
+    if previous_int is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, previous_int)
 
 
 def run_demo(options: DemoOptions, out: IO[str] = sys.stdout) -> dict[str, dict[str, Any]]:

@@ -35,7 +35,11 @@ def _children_alive(marker: str) -> list[str]:
     return found
 
 
-def _demo(port: int, *extra: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+def _demo(
+    port: int, *extra: str, env: dict[str, str] | None = None, background: bool = False
+) -> subprocess.Popen[str]:
+    """``kvmesh demo``; ``background``: started as a shell starts a background job, with SIGINT
+    ignored."""
     env = {
         **{k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "KVMESH_REDIS_URL")},
         **(env or {}),
@@ -46,7 +50,12 @@ def _demo(port: int, *extra: str, env: dict[str, str] | None = None) -> subproce
         stderr=subprocess.STDOUT,
         text=True,
         env=env,
+        preexec_fn=_ignore_sigint if background else None,
     )
+
+
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _pids(output: str) -> list[int]:
@@ -116,8 +125,10 @@ def test_a_worker_that_exits_fails_the_demo_and_keeps_the_logs() -> None:
 
 
 def test_sigterm_half_way_stops_everything(tmp_path: Path) -> None:
+    """Also when started as a background job (SIGINT ignored), as ``kvmesh demo &`` in a
+    script: the demo's way out goes through SIGINT."""
     port = free_port()
-    proc = _demo(port, "--speed", "20")
+    proc = _demo(port, "--speed", "20", background=True)
     assert proc.stdout is not None
     deadline = time.monotonic() + 120
     seen = ""
