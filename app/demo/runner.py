@@ -339,14 +339,15 @@ def _terminate_on_sigterm() -> Iterator[None]:
     previous = signal.signal(signal.SIGTERM, handler)
     # A shell starts a background job with SIGINT ignored, and Python then leaves it ignored:
     # SIGTERM (and Ctrl-C) would do nothing. The demo's way out needs SIGINT's own handler.
-    previous_int = signal.getsignal(signal.SIGINT)
-    if previous_int is signal.SIG_IGN:
+    ignored = signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    if ignored:
         signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
-        signal.signal(signal.SIGINT, previous_int)
+        if ignored:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def run_demo(options: DemoOptions, out: IO[str] = sys.stdout) -> dict[str, dict[str, Any]]:
