@@ -58,9 +58,8 @@ class WorkerView:
 
     def set_load(self, load: dict[str, int]) -> None:
         self.load = load
-        self._terms = None
-        self._candidates.clear()
         self._speed = None  # parsed again from the new report, once
+        self.changed()
 
     def candidate(
         self, matched_blocks: int, host_blocks: int, session: bool, cached_blocks: int
