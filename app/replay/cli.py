@@ -191,8 +191,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--predict-ttl-s",
         type=_non_negative_float,
         default=defaults.predict_ttl_s,
-        help="seconds a decision's blocks count as cached before their events "
-        f"(default: {defaults.predict_ttl_s:g})",
+        help="seconds a decision's blocks count as cached before their events, at least "
+        f"(at most twice) (default: {defaults.predict_ttl_s:g})",
     )
     router.add_argument(
         "--routers",

@@ -10,11 +10,12 @@ responses; replay from its in-process cluster. The core owns:
   takes nothing new), and the router's own in-flight accounting (prompt tokens sent and not
   prefilled yet, sequences and blocks in flight), which is newer than any report;
 * the predicted cache: right after a decision the chosen worker is assumed to hold the request's
-  blocks for ``predict_ttl_s``, until its ``stored`` events reach the index, so that a burst of
-  requests sharing a new prefix lands together instead of scattering. For a worker without KV
-  events (``approximate``, ``kvmesh register``) the predictions are all the router knows: they
-  last ``approx_ttl_s`` and at most the worker's capacity in blocks is kept, the least recently
-  sent dropped first (an approximate prefix tree, as Dynamo's ``--no-kv-events`` keeps);
+  blocks for ``predict_ttl_s`` (more, and at most twice that: see ``_purge``), until its
+  ``stored`` events reach the index, so that a burst of requests sharing a new prefix lands
+  together instead of scattering. For a worker without KV events (``approximate``, ``kvmesh
+  register``) the predictions are all the router knows: they last ``approx_ttl_s`` exactly and
+  at most the worker's capacity in blocks is kept, the least recently sent dropped first (an
+  approximate prefix tree, as Dynamo's ``--no-kv-events`` keeps);
 * the policy state (seeded random generator, round-robin position);
 * sessions: the worker each session's last request went to (``x-session-id`` or OpenAI's
   ``user``), for kv_aware's soft affinity, the most recent ``MAX_SESSIONS`` kept.
@@ -27,7 +28,7 @@ A request's life: ``decide`` -> ``begin`` (counts it in flight, predicts its blo
 
 Predictions are whole chains from the root (a request's hashes from block 0), and so is what
 the index holds for one of our workers, so a prediction extends a worker's match from where the
-index's match ends: one dict probe per extra block, none when the prediction adds nothing.
+index's match ends: a set probe or two per extra block, none when the prediction adds nothing.
 """
 
 from __future__ import annotations
@@ -36,7 +37,6 @@ import math
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
-from itertools import repeat
 from typing import Any
 
 import numpy.typing as npt
@@ -62,21 +62,55 @@ MAX_SESSIONS = 100_000
 def _predicted_depth(
     block_hashes: Sequence[int],
     depth: int,
-    now: float,
-    newer: dict[int, float] | None,
-    older: dict[int, float] | None,
+    newer: _Generation | None,
+    older: _Generation | None,
 ) -> int:
-    """``depth`` extended by the blocks predicted (unexpired, in either generation) after it."""
+    """``depth`` extended by the blocks predicted (in either generation) after it."""
     num_blocks = len(block_hashes)
+    newer_blocks = newer.blocks if newer is not None else ()
+    older_blocks = older.blocks if older is not None else ()
     while depth < num_blocks:
         block_hash = block_hashes[depth]
-        if (newer is not None and newer.get(block_hash, 0.0) > now) or (
-            older is not None and older.get(block_hash, 0.0) > now
-        ):
+        if block_hash in newer_blocks or block_hash in older_blocks:
             depth += 1
         else:
             break
     return depth
+
+
+def _approximate_depth(
+    block_hashes: Sequence[int], depth: int, now: float, predicted: dict[int, float]
+) -> int:
+    """``depth`` extended by the blocks predicted to an approximate worker and unexpired."""
+    num_blocks = len(block_hashes)
+    while depth < num_blocks and predicted.get(block_hashes[depth], 0.0) > now:
+        depth += 1
+    return depth
+
+
+class _Generation:
+    """The blocks predicted to one worker during one generation (``_purge``), and the last
+    block of each chain that put them there: chained hashes make the last block name the
+    whole chain, so a prompt sent again in the same generation (a retry, ``n`` samples, an
+    evaluation's fixed prompts) costs one set probe instead of 256 inserts."""
+
+    __slots__ = ("blocks", "leaves")
+
+    def __init__(self) -> None:
+        self.blocks: set[int] = set()
+        self.leaves: set[int] = set()
+
+    def add(self, block_hashes: Sequence[int]) -> None:
+        leaf = block_hashes[-1]
+        if leaf not in self.leaves:
+            self.blocks.update(block_hashes)
+            self.leaves.add(leaf)
+
+    def discard(self, block_hashes: Sequence[int]) -> None:
+        self.blocks.difference_update(block_hashes)
+        # Another chain may have shared those blocks: a chain whose leaf stays known would
+        # not put them back when predicted again.
+        self.leaves.clear()
 
 
 class NoWorkerError(Exception):
@@ -117,12 +151,13 @@ class RouterCore:
         self.flight_hooks: list[Callable[[str, InFlight, Sequence[int]], None]] = []
         self.sessions: OrderedDict[str, str] = OrderedDict()  # session -> its last worker
         self._named: list[str] | None = None  # the models named, sorted (cached)
-        # worker -> block hash -> expiry, the predictions made since the last rotation (and an
-        # approximate worker's, ordered by recency), and those of the generation before; see
-        # ``_purge``.
-        self._predicted: dict[str, dict[int, float]] = {}
-        self._older: dict[str, dict[int, float]] = {}
+        # worker -> what was predicted to it since the last rotation, and in the generation
+        # before (see ``_purge``); an approximate worker's: block hash -> expiry, ordered by
+        # recency, and the expiries in the order they come.
+        self._newer: dict[str, _Generation] = {}
+        self._older: dict[str, _Generation] = {}
         self._rotate_at = -math.inf
+        self._approx: dict[str, OrderedDict[int, float]] = {}
         self._approx_expiries: deque[tuple[float, str, Sequence[int]]] = deque()
 
     # -- workers -------------------------------------------------------------------------------
@@ -178,8 +213,8 @@ class RouterCore:
         if self.workers.pop(worker, None) is not None:
             self._order = sorted(self.workers)
             self._named = None
-        self._predicted.pop(worker, None)
-        self._older.pop(worker, None)
+        for predictions in (self._newer, self._older, self._approx):
+            predictions.pop(worker, None)
 
     def set_load(self, worker: str, load: dict[str, int]) -> None:
         view = self.workers.get(worker)
@@ -224,10 +259,10 @@ class RouterCore:
         same list. ``tree_sizes=False`` leaves ``cached_blocks`` 0 (a policy that reads it
         declares so: ``needs_tree_sizes``); ``session``'s last worker is marked."""
         now = 0.0
-        if self._predicted or self._older:
+        if self._newer or self._older or self._approx:
             now = self.clock()
             self._purge(now)
-        predictions, older = self._predicted, self._older
+        predictions, older, approx = self._newer, self._older, self._approx
         skip = set(exclude) if exclude else ()
         matches = self.index.find_matches_by_tier(block_hashes) if block_hashes else {}
         session_worker = self.sessions.get(session) if session is not None else None
@@ -240,10 +275,13 @@ class RouterCore:
                 continue
             depth, gpu = matches.get(worker, _NO_MATCH)
             host = depth - gpu
+            # Predicted blocks count as GPU blocks: they were just made.
             newer = predictions.get(worker) if predictions else None
             before = older.get(worker) if older else None
-            if newer or before:  # predicted blocks count as GPU blocks: they were just made
-                depth = _predicted_depth(block_hashes, depth, now, newer, before)
+            if newer is not None or before is not None:
+                depth = _predicted_depth(block_hashes, depth, newer, before)
+            if approx and worker in approx:
+                depth = _approximate_depth(block_hashes, depth, now, approx[worker])
             out.append(
                 view.candidate(
                     depth,
@@ -459,23 +497,27 @@ class RouterCore:
     def predict(self, worker: str, block_hashes: Sequence[int]) -> None:
         """Assume ``worker`` holds ``block_hashes`` (a chain from the root) for the TTL (an
         approximate worker's: ``approx_ttl_s``, within its capacity)."""
+        if not block_hashes:
+            return
         view = self.workers.get(worker)
         if view is not None and view.approximate:
             self._predict_approximate(view, block_hashes)
             return
         if self.predict_ttl_s <= 0:
             return
-        expiry = self.clock() + self.predict_ttl_s
-        # One pass, no dict built on the way (dict.fromkeys and update: 13.5 against 7 µs).
-        self._predicted.setdefault(worker, {}).update(zip(block_hashes, repeat(expiry)))
+        self._purge(self.clock())  # into the generation of now
+        generation = self._newer.get(worker)
+        if generation is None:
+            generation = self._newer[worker] = _Generation()
+        generation.add(block_hashes)
 
     def _predict_approximate(self, view: WorkerView, block_hashes: Sequence[int]) -> None:
         if self.approx_ttl_s <= 0:
             return
         expiry = self.clock() + self.approx_ttl_s
-        predicted = self._predicted.get(view.worker)
-        if not isinstance(predicted, OrderedDict):
-            predicted = self._predicted[view.worker] = OrderedDict(predicted or {})
+        predicted = self._approx.get(view.worker)
+        if predicted is None:
+            predicted = self._approx[view.worker] = OrderedDict()
         # Most recent last, and within one prompt its root last: over capacity, the least
         # recently sent go first, and of one chain its leaves before its root (a prefix is
         # only ever matched from the root).
@@ -490,43 +532,55 @@ class RouterCore:
 
     def unpredict(self, worker: str, block_hashes: Sequence[int]) -> None:
         """Forget that ``worker`` holds ``block_hashes``: the request never reached it."""
-        for generation in (self._predicted, self._older):
-            predicted = generation.get(worker)
-            if predicted:
-                for block_hash in block_hashes:
-                    predicted.pop(block_hash, None)
+        for generations in (self._newer, self._older):
+            generation = generations.get(worker)
+            if generation is not None:
+                generation.discard(block_hashes)
+        approx = self._approx.get(worker)
+        if approx:
+            for block_hash in block_hashes:
+                approx.pop(block_hash, None)
 
     def num_predicted(self, worker: str) -> int:
         now = self.clock()
-        generations = (self._predicted.get(worker, {}), self._older.get(worker, {}))
-        return len({h for held in generations for h, expiry in held.items() if expiry > now})
+        self._purge(now)
+        held: set[int] = set()
+        for generations in (self._newer, self._older):
+            generation = generations.get(worker)
+            if generation is not None:
+                held |= generation.blocks
+        approx: dict[int, float] = self._approx.get(worker, {})
+        return len(held) + sum(1 for h, expiry in approx.items() if expiry > now and h not in held)
 
     def _purge(self, now: float) -> None:
-        """Forget predictions whose TTL passed (a hash predicted again later stays).
+        """Forget the predictions made more than ``predict_ttl_s`` ago, and approximate
+        workers' whose ``approx_ttl_s`` passed.
 
-        A worker's predictions are not deleted one by one as they expire (256 dict deletes a
-        proxied 4,096-token prompt, 8-10 µs): every ``predict_ttl_s`` the generation made
-        since the last rotation becomes the older one and the older one is dropped whole, all
-        of its predictions having expired by then (each was made before the last rotation).
-        Until then a lookup reads each prediction's own expiry, so one lasts its TTL exactly.
-        An approximate worker's predictions (``approx_ttl_s``, ordered by recency) stay in
-        the newer table and are purged by their expiry queue."""
+        Predictions are not timed one by one (a dict write and a delete per block, 256 of
+        each for a proxied 4,096-token prompt): they go into the newer of two generations,
+        and every ``predict_ttl_s`` the newer becomes the older and the older is dropped
+        whole, on a fixed beat. A prediction so lasts more than its TTL and at most twice
+        that; a lookup reads two sets. An approximate worker's predictions (``approx_ttl_s``,
+        ordered by recency) are timed one by one, from their expiry queue."""
         if now >= self._rotate_at:
-            newer, self._older, self._predicted = self._predicted, {}, {}
-            for worker, predicted in newer.items():
-                kept = self._predicted if isinstance(predicted, OrderedDict) else self._older
-                kept[worker] = predicted
-            self._rotate_at = now + self.predict_ttl_s
-        self._purge_queue(self._approx_expiries, now)
+            if now < self._rotate_at + self.predict_ttl_s:  # on time: the newer ages
+                self._older = self._newer
+                self._rotate_at += self.predict_ttl_s
+            else:  # none since a whole generation: all that was made has expired
+                self._older = {}
+                self._rotate_at = now + self.predict_ttl_s
+            self._newer = {}
+        if self._approx_expiries:
+            self._purge_queue(self._approx_expiries, now)
 
     def _purge_queue(self, expiries: deque[tuple[float, str, Sequence[int]]], now: float) -> None:
         while expiries and expiries[0][0] <= now:
             _, worker, hashes = expiries.popleft()
-            predicted = self._predicted.get(worker)
-            if not isinstance(predicted, OrderedDict):
+            predicted = self._approx.get(worker)
+            if predicted is None:
                 continue
             for block_hash in hashes:
                 if predicted.get(block_hash, now + 1.0) <= now:
                     del predicted[block_hash]
             if not predicted:
-                del self._predicted[worker]
+                del self._approx[worker]

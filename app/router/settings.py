@@ -46,7 +46,10 @@ class RouterSettings(Settings):
     sglang_balance_rel: float = Field(1.5, ge=1, description="sglang: balance_rel_threshold")
     seed: int = Field(0, ge=0, description="seed of random choices and tie-breaks")
     predict_ttl_s: float = Field(
-        2.0, ge=0, description="seconds a decision's blocks count as cached before their events"
+        2.0,
+        ge=0,
+        description="seconds a decision's blocks count as cached before their events, at least "
+        "(at most twice: they age in two generations)",
     )
     approx_ttl_s: float = Field(
         600.0,

@@ -93,37 +93,64 @@ def test_the_predicted_cache_holds_a_burst_together_until_its_ttl() -> None:
     decision = core.decide(core.hashes([*prefix, 7]), 513)
     cost = decision.cost_of(first)
     assert cost.cached_tokens == 512
-    # Once the TTL passes without stored events, the prediction is gone.
-    clock.now += 2.5
+    # Once two TTLs pass without stored events, the prediction is gone.
+    clock.now += 4.0
     decision = core.decide(core.hashes([*prefix, 7]), 513)
     assert decision.cost_of(first).cached_tokens == 0
     assert core.num_predicted(first) == 0
 
 
-def test_predictions_last_their_ttl_exactly_and_expired_ones_are_dropped() -> None:
+def test_predictions_last_one_to_two_ttls_on_a_fixed_beat() -> None:
+    """Predictions age in two generations that turn every TTL (100.0, 102.0, 104.0, ...): one
+    lasts until the end of the generation after its own."""
     core, clock = make_core(2, predict_ttl_s=2.0)
     first, second = list(range(64)), list(range(1_000, 1_064))  # 4 blocks each
     h1, h2 = core.hashes(first), core.hashes(second)
     core.begin("r1", core.decide(h1, 64, exclude=("w1",)), h1, 64)  # w0, at 100.0
-    clock.now = 101.0
-    core.begin("r2", core.decide(h2, 64, exclude=("w1",)), h2, 64)  # w0, at 101.0
-    core.predict("w0", h1[:2])  # the first half of r1's chain again, at 101.0
+    clock.now = 103.5
+    core.begin("r2", core.decide(h2, 64, exclude=("w1",)), h2, 64)  # w0, at 103.5
+    core.predict("w0", h1[:2])  # the first half of r1's chain again, at 103.5
 
     def cached() -> tuple[int, ...]:
         return tuple(core.decide(h, 65).cost_of("w0").cached_tokens for h in (h1, h2))
 
-    clock.now = 101.99
+    clock.now = 103.99
     assert cached() == (64, 64)
-    clock.now = 102.01  # r1's own prediction expired, its first two blocks' renewed one not
+    assert core.num_predicted("w0") == 8
+    clock.now = 104.0  # r1's generation (100.0-102.0) is over, the renewed half is not
     assert cached() == (32, 64)
     assert core.num_predicted("w0") == 6
-    clock.now = 103.01
+    clock.now = 105.99
+    assert cached() == (32, 64)
+    clock.now = 106.0
     assert cached() == (0, 0)
     assert core.num_predicted("w0") == 0
-    # The tables hold no more than two TTLs' worth: the expired ones were dropped whole.
-    clock.now = 105.5
-    core.decide(h1, 64)
-    assert core._predicted == {} and core._older == {}
+    # The beat goes on through a silence: made at 109.0, in the generation 108.0-110.0.
+    clock.now = 109.0
+    core.predict("w0", h1)
+    clock.now = 111.99
+    assert cached() == (64, 0)
+    # Looked at again only a whole generation late (the turn due at 112.0 comes at 114.5):
+    # everything has expired, and the tables are emptied.
+    clock.now = 114.5
+    assert cached() == (0, 0)
+    assert core._newer == {} and core._older == {}
+
+
+def test_a_chain_sent_again_is_predicted_once_and_a_failed_one_takes_its_prefix_along() -> None:
+    core, _ = make_core(2)
+    prefix = list(range(32))
+    a, b = core.hashes([*prefix, *range(100, 132)]), core.hashes([*prefix, *range(200, 232)])
+    core.predict("w0", a)
+    core.predict("w0", b)
+    core.predict("w0", a)  # known by its last block: nothing written
+    generation = core._newer["w0"]
+    assert (len(generation.blocks), generation.leaves) == (6, {a[-1], b[-1]})
+    core.unpredict("w0", a)  # a's request never reached w0: its blocks go, b's prefix too
+    assert [c.matched_blocks for c in core.candidates(b)] == [0, 0]
+    core.predict("w0", b)  # b sent again puts its whole chain back
+    assert [c.matched_blocks for c in core.candidates(b)] == [4, 0]
+    assert core.num_predicted("w0") == 4
 
 
 def test_a_flight_predicts_its_whole_chain_even_the_part_the_index_holds() -> None:
