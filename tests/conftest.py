@@ -6,11 +6,13 @@ Redis is always a real server: ``$REDIS_URL`` when set, else a private ``redis-s
 
 from __future__ import annotations
 
+import asyncio
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import redis
+import uvloop
 from hypothesis import HealthCheck, settings
 
 from app.core.embedded_redis import EmbeddedRedis
@@ -65,3 +67,14 @@ def embedded_redis() -> Iterator[EmbeddedRedis]:
     """A private redis-server for this test alone, which it may kill and restart."""
     with EmbeddedRedis() as server:
         yield server
+
+
+def pytest_asyncio_loop_factories(
+    config: pytest.Config, item: pytest.Item
+) -> dict[str, Callable[[], asyncio.AbstractEventLoop]]:
+    """An async test runs on asyncio's loop; one marked ``both_loops`` on uvloop's too (the
+    services run on uvloop: code that subclasses the loop's protocols or transports is tested
+    on both)."""
+    if item.get_closest_marker("both_loops") is not None:
+        return {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
+    return {"asyncio": asyncio.new_event_loop}

@@ -35,6 +35,9 @@ CHUNKED = (
 CLOSE = b"<close>"  # at the end of an answer: the server closes the connection after it
 OLD = b"HTTP/1.0 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}"
 
+
+pytestmark = pytest.mark.both_loops  # the client is a protocol on each loop's transports
+
 # The request number on its connection (0, 1, ...) -> what the server writes, or None: it
 # closes the connection without answering; "hang": it never answers.
 Script = Callable[[int], bytes | str | None]
@@ -200,6 +203,34 @@ async def test_a_bad_length_or_chunk_size_is_a_protocol_error(answer: bytes) -> 
         with pytest.raises(RemoteProtocolError, match="bad"):
             response = await upstream.post(f"http://127.0.0.1:{server.port}/x", b"{}")
             await response.aread()
+        assert upstream.idle_connections() == 0
+        await upstream.aclose()
+
+
+async def test_an_answer_larger_than_the_pause_threshold_comes_whole_either_way() -> None:
+    """The client stops reading a socket past a quarter MiB unread and reads on as the caller
+    does: a 3 MiB answer arrives byte for byte, read whole or chunk by chunk."""
+    body = bytes(range(256)) * (3 * 4096)
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n"
+    async with serving(lambda n: head % len(body) + body) as server:
+        upstream = client()
+        url = f"http://127.0.0.1:{server.port}/x"
+        assert await (await upstream.post(url, b"{}")).aread() == body
+        answer = await upstream.post(url, b"{}")
+        await asyncio.sleep(0.2)  # the whole answer is sent: the client has paused its socket
+        chunks = [chunk async for chunk in answer.aiter_raw()]
+        assert b"".join(chunks) == body
+        assert max(len(chunk) for chunk in chunks) == 64 * 1024
+        await upstream.aclose()
+    assert server.connections == 1
+
+
+async def test_a_head_that_never_ends_is_a_protocol_error() -> None:
+    endless = b"HTTP/1.1 200 OK\r\n" + b"x-filler: " + b"x" * 70_000
+    async with serving(lambda n: endless) as server:
+        upstream = client(read_timeout_s=2.0)
+        with pytest.raises(RemoteProtocolError, match="a line of the answer is too long"):
+            await upstream.post(f"http://127.0.0.1:{server.port}/x", b"{}")
         assert upstream.idle_connections() == 0
         await upstream.aclose()
 
