@@ -10,7 +10,7 @@ answer (a 4xx about the request, say) is passed through as it came, with the wor
 
 from __future__ import annotations
 
-import uuid
+import os
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -35,7 +35,7 @@ Payload = Callable[[bool], bytes]
 
 
 def request_id_of(runtime: RouterRuntime, given: str | None, prefix: str) -> str:
-    request_id = given or f"{prefix}-{uuid.uuid4().hex}"
+    request_id = given or f"{prefix}-{os.urandom(16).hex()}"  # (no UUID object: 2 µs less)
     if request_id in runtime.core.inflight:
         raise BadRequest(f"request_id: {request_id!r} is already in flight", param="request_id")
     return request_id

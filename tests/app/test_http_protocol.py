@@ -1,6 +1,6 @@
 """``app.core.http_protocol``: what is written in one event-loop iteration leaves in one write,
-a close sends what is pending first, an abort drops it (a real worker answers through it in
-``test_worker_process``)."""
+a whole answer leaves at once, a close sends what is pending first, an abort drops it (a real
+worker answers through it in ``test_worker_process``)."""
 
 from __future__ import annotations
 
@@ -58,3 +58,18 @@ async def test_an_abort_drops_what_is_pending() -> None:
     joined.abort()
     await asyncio.sleep(0)
     assert recorder.calls == ["abort"]
+
+
+async def test_a_whole_answer_leaves_at_once_unless_something_waits_before_it() -> None:
+    recorder = _Recorder()
+    joined = _JoiningTransport(recorder, asyncio.get_running_loop())
+    joined.write_whole(b"HTTP/1.1 200 OK\r\n\r\none")
+    assert recorder.calls == [b"HTTP/1.1 200 OK\r\n\r\none"]  # no loop iteration needed
+    joined.write(b"HTTP/1.1 200 OK\r\n\r\n")
+    joined.write_whole(b"two")  # after the head still pending, in the same write
+    assert recorder.calls == [b"HTTP/1.1 200 OK\r\n\r\none"]
+    await asyncio.sleep(0)
+    assert recorder.calls == [b"HTTP/1.1 200 OK\r\n\r\none", b"HTTP/1.1 200 OK\r\n\r\ntwo"]
+    joined.close()
+    joined.write_whole(b"late")  # a closed transport takes nothing
+    assert recorder.calls[-1] == "close"
