@@ -139,9 +139,83 @@ try:
                 return k, i + 1
             return -1, i
 
+    _COMMAS = _U(0x2C2C2C2C2C2C2C2C)  # "," in every byte
+    _LOW_BITS = _U(0x7F7F7F7F7F7F7F7F)
+    _GATHER = _U(0x0102040810204080)  # a byte's high bit, each byte's, to one byte of bits
+
+    @numba.njit(cache=True, nogil=True)
+    def _scan_plain(  # pragma: no cover - compiled
+        buf: Any, words: Any, start: int, end: int, spaced: bool, out: Any, commas: Any
+    ) -> int:
+        """The ids of ``buf[start:end]`` (an array's text between ``[`` and the first ``]``)
+        into ``out``: how many, or -1 unless every id is 1-8 digits (no leading zero) and
+        every separator is ``,`` (or ``, `` when ``spaced``); ``_scan`` then reads it, and says
+        what is wrong if anything is.
+
+        ``_scan`` reads id after id, each one's position from the one before: 7 ns an id on a
+        dependency chain. Here the commas are found first, 64 bytes at a time (each 8-byte
+        word's comma bytes as 8 bits, their positions from the set bits), and then every id is
+        read from its own word, independently of the others: 29-30 → 20-21 µs for a
+        4,096-token body."""
+        n_words = words.shape[0]
+        count = 0
+        g = start
+        while g + 64 <= end and g + 64 <= n_words:
+            found = _U(0)
+            for b in range(8):
+                word = words[g + 8 * b] ^ _COMMAS
+                zero = ~(((word & _LOW_BITS) + _LOW_BITS) | word | _LOW_BITS)  # exact
+                found |= (((zero >> _U(7)) * _GATHER) >> _U(56)) << _U(8 * b)
+            while found:
+                if count >= commas.shape[0] - 1:
+                    return -1
+                commas[count] = g + trailing_zeros(found)  # type: ignore[call-arg]
+                count += 1
+                found &= found - _U(1)
+            g += 64
+        while g < end:  # the last bytes (fewer than 64, or too near the body's end)
+            if buf[g] == 44:
+                if count >= commas.shape[0] - 1:
+                    return -1
+                commas[count] = g
+                count += 1
+            g += 1
+        if count >= out.shape[0]:
+            return -1
+        commas[count] = end
+        bad = _U(0)
+        s = start
+        for t in range(count + 1):
+            e = commas[t]
+            length = e - s
+            if length < 1 or length > 8:
+                return -1
+            if s < n_words:
+                word = words[s] - _ZEROS  # as in _scan, its digits alone after the shift
+                shift = _U(64 - 8 * length)
+                bad |= ((word | (word + _PAST_NINE)) & _HIGH_BITS) << shift
+                bad |= _U(length > 1 and word & _U(0xFF) == 0)  # a leading zero
+                number = word << shift
+                number = (number * _U(10) + (number >> _U(8))) & _U(0x00FF00FF00FF00FF)
+                number = (number * _U(100) + (number >> _U(16))) & _U(0x0000FFFF0000FFFF)
+                number = (number * _U(10000) + (number >> _U(32))) & _U(0xFFFFFFFF)
+            else:  # the body's last 8 bytes: one at a time
+                number = _U(0)
+                for j in range(s, e):
+                    digit = buf[j]
+                    bad |= _U(digit < 48 or digit > 57)
+                    number = number * _U(10) + _U(digit - 48)
+                bad |= _U(length > 1 and buf[s] == 48)
+            out[t] = np.uint32(number)
+            if spaced and t < count:
+                bad |= _U(buf[e + 1] != 32)
+            s = e + 2 if spaced else e + 1
+        return count + 1 if bad == 0 else -1
+
     SCAN_IMPL = "numba"
 except ImportError:  # pragma: no cover - numba is a declared dependency
     _scan = None  # type: ignore[assignment]
+    _scan_plain = None  # type: ignore[assignment]
     SCAN_IMPL = "orjson"
 
 
@@ -166,10 +240,18 @@ def _words_of(body: bytes, start: int) -> tuple[npt.NDArray[np.uint32], int] | N
         if not end or not tokens or any(type(t) is not int or not 0 <= t < 1 << 32 for t in tokens):
             return None
         return np.array(tokens, dtype=np.uint32), end
-    out = np.empty(len(body) // 2 + 1, dtype=np.uint32)
     comma = body.find(b",", start)
     spaced = comma >= 0 and body[comma + 1 : comma + 2] == b" "
-    count, end = _scan(np.frombuffer(body, dtype=np.uint8), _words(body), spaced, start, out)
+    buf, words = np.frombuffer(body, dtype=np.uint8), _words(body)
+    close = body.find(b"]", start)
+    if close > start:
+        size = (close - start) // 2 + 2
+        out = np.empty(size, dtype=np.uint32)
+        count = _scan_plain(buf, words, start, close, spaced, out, np.empty(size, dtype=np.int64))
+        if count > 0:
+            return out[:count], close + 1
+    out = np.empty(len(body) // 2 + 1, dtype=np.uint32)
+    count, end = _scan(buf, words, spaced, start, out)
     if count <= 0:
         return None
     return out[:count], end

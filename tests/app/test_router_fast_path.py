@@ -16,7 +16,7 @@ import uvicorn
 
 from app.core.http import front_of, uvicorn_config
 from app.core.net import free_port
-from app.core.token_json import parse_token_body
+from app.core.token_json import _scan_plain, parse_token_body
 from app.router.fast_path import completion_answer, fast_routes, route_answer
 from app.router.runtime import RouterRuntime
 from app.services import router_app
@@ -97,6 +97,40 @@ def test_long_arrays_are_read_as_orjson_reads_them() -> None:
         assert (
             parsed is not None and parsed.words.tolist() == orjson.loads(body)["prompt_token_ids"]
         )
+
+
+def test_the_plain_scan_reads_as_orjson_reads_and_leaves_the_rest_to_the_byte_loop() -> None:
+    """``_scan_plain`` (ids of 1-8 digits, one separator throughout) reads the usual body
+    whole; anything else goes to ``_scan``. Long arrays of both spacings, ending in the body's
+    last bytes or not, with a byte changed anywhere in the array (among the 64-byte groups or
+    in the last bytes) or not: each parses as ``orjson.loads`` reads it, or not at all."""
+    rng = np.random.default_rng(11)
+    for case in range(400):
+        widths = rng.integers(1, 9, rng.integers(20, 200))
+        tokens = [int(rng.integers(10 ** (w - 1) if w > 1 else 0, 10**w)) for w in widths]
+        array = (b", " if case % 2 else b",").join(b"%d" % t for t in tokens)
+        head = b'{"prompt": ['
+        body = bytearray(head + array + (b"]}" if case % 3 == 0 else b'], "max_tokens": 1}'))
+        if case % 4 == 0:  # as it was made: the plain scan reads it all
+            close = body.index(b"]")
+            size = (close - len(head)) // 2 + 2
+            out, commas = np.empty(size, np.uint32), np.empty(size, np.int64)
+            words = np.ndarray((len(body) - 7,), np.uint64, bytes(body), strides=(1,))
+            buf = np.frombuffer(bytes(body), np.uint8)
+            count = _scan_plain(buf, words, len(head), close, case % 2 == 1, out, commas)
+            assert out[:count].tolist() == tokens
+        else:
+            at = len(head) + int(rng.integers(0, len(array)))
+            body[at] = int(rng.choice(list(b"0123456789, ]-.x")))
+        parsed = parse_token_body(bytes(body))
+        try:
+            expected = orjson.loads(bytes(body))["prompt"]
+        except orjson.JSONDecodeError:
+            expected = None
+        if expected and all(type(t) is int and 0 <= t < 1 << 32 for t in expected):
+            assert parsed is not None and parsed.words.tolist() == expected, bytes(body)
+        else:
+            assert parsed is None, bytes(body)
 
 
 def _echo(path: str, body: Any) -> tuple[int, Any]:
