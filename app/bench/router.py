@@ -29,15 +29,13 @@ connections, then ``NUM_WARMUP`` one after the other).
 Timed: ``POST /route`` with ``{"prompt_token_ids": [...]}`` (bodies serialised beforehand with
 orjson), open loop: request ``i`` is due at ``start + i / rate`` whatever the answers before
 it; 1,000 requests/s for 10 s (``--quick``: 200/s for 1 s; ``--rate R`` sets the rate),
-cycling over the requests. Each is
-sent on an idle connection from a pool of ``NUM_CLIENTS`` keep-alive connections, through a
-minimal HTTP/1.1 client (``app.bench.http_client``; httpx cost as much CPU per request as the
-router).
-Latency (``http_*_ms``) is measured from the request's due time to its answer parsed, so a
-client or router that falls behind shows up in it instead of silently lowering the rate;
-``http_send_lag_p99_ms`` is how late requests left the client (whose garbage collector is off
-while it drives: a collection stalled it up to 0.3 s). An answer counts as an error
-unless it is a 200 naming one of the 16 workers.
+cycling over the requests. Each is sent on an idle connection from a pool of ``NUM_CLIENTS``
+keep-alive connections, through a minimal HTTP/1.1 client (``app.bench.http_client``; httpx
+cost as much CPU per request as the router). Latency (``http_*_ms``) is measured from the
+request's due time to its answer parsed, so a client or router that falls behind shows up in
+it instead of silently lowering the rate; ``http_send_lag_p99_ms`` is how late requests left
+the client (whose garbage collector is off while it drives: a collection stalled it up to
+0.3 s). An answer counts as an error unless it is a 200 naming one of the 16 workers.
 ``http_same_choice``: the fraction of answers that chose the worker the in-process core chose
 for the same prompt (the router sees the same index and loads, and ties are broken by a seed
 taken from the prompt, so anything below 1.0 means the two views differ).
@@ -77,7 +75,7 @@ from app.bench.chat import measure_chat
 from app.bench.http_client import KeepAliveConnection
 from app.bench.index import NUM_WORKERS, SEED, TOKENS_PER_BLOCK, build_streaming, generate
 from app.bench.procfs import replicas, tree_cpu_seconds
-from app.bench.worker import _machine_busy_seconds, kvmesh_process
+from app.bench.worker import _delta, _machine_busy_seconds, kvmesh_process
 from app.core.embedded_redis import EmbeddedRedis
 from app.core.net import free_port
 from app.router.core import RouterCore
@@ -429,8 +427,7 @@ async def _drive(
             delay = due - clock()
             if delay > 0:
                 await asyncio.sleep(delay)
-            task = asyncio.create_task(one(i % len(bodies), due))
-            tasks.add(task)
+            tasks.add(task := asyncio.create_task(one(i % len(bodies), due)))
             task.add_done_callback(tasks.discard)
         await asyncio.gather(*tasks)
         outcome.seconds = (last_answer if outcome.ok else clock()) - start
@@ -444,10 +441,6 @@ async def _drive(
     outcome.publishers_cpu_s = spent.get("publishers")
     outcome.machine_cpu_s = _delta(machine_after, machine_cpu)
     return outcome
-
-
-def _delta(after: float | None, before: float | None) -> float | None:
-    return None if after is None or before is None else round(after - before, 3)
 
 
 def _serve_and_drive(
@@ -476,10 +469,7 @@ def _serve_and_drive(
         load_average = os.getloadavg()[0]
         gc.collect()
         gc.freeze()  # the bodies are input: the client's collector need not walk them
-        # Nor collect at all while it drives: a collection of its 30,000 tasks stalled it for
-        # up to 0.3 s, which the latencies (counted from each request's due time) took as the
-        # router's. Its garbage is acyclic, freed as it goes.
-        gc.disable()
+        gc.disable()  # nor collect while it drives (a 0.3 s stall counted as the router's)
         try:
             with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
                 outcome = runner.run(_drive(base_url, bodies, chosen, rate, duration_s, pids))
