@@ -3,7 +3,8 @@ anything it does not take handed to the FastAPI route unchanged.
 
 ``json_content`` says whether FastAPI would parse a body as JSON; ``plain_json`` whether a
 request in front of the framework's middleware may be taken (a JSON body whose Content-Length
-is within the body limit, neither streamed nor behind an ``Expect``); ``read_body`` reads one whole;
+is within the body limit, neither streamed nor behind an ``Expect``; ``plain_json_headers``: the
+same of a header list, for a fast route of the server's protocol); ``read_body`` reads one whole;
 ``replay`` gives that body to the app that answers instead, then the client's own ``receive``
 (so that the app still sees a later disconnect); ``send_json`` answers with a JSON body as
 Starlette's ``JSONResponse`` does (``content-length`` and ``content-type`` headers).
@@ -11,15 +12,21 @@ Starlette's ``JSONResponse`` does (``content-length`` and ``content-type`` heade
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from starlette.types import Message, Receive, Scope, Send
 
-__all__ = ["json_content", "plain_json", "read_body", "replay", "send_json"]
+__all__ = ["json_content", "plain_json", "plain_json_headers", "read_body", "replay", "send_json"]
 
 
 def json_content(scope: Scope) -> bool:
     """Whether FastAPI would parse this body as JSON (its strict content type: a JSON media
     type, not a missing one); when not, the route refuses the body, and so must a fast path."""
-    for name, value in scope["headers"]:
+    return _json_type(scope["headers"])
+
+
+def _json_type(headers: Iterable[tuple[bytes, bytes]]) -> bool:
+    for name, value in headers:
         if name == b"content-type":
             kind = value.split(b";", 1)[0].strip().lower()
             return kind == b"application/json" or (
@@ -33,13 +40,19 @@ def plain_json(scope: Scope, max_body_bytes: int) -> bool:
     ``max_body_bytes``, and no ``Expect`` or ``Transfer-Encoding``: what a fast path in front
     of the framework takes; any other is the framework's (``BodyLimit`` answers a body too
     large, or a Content-Length that is not a number)."""
+    return plain_json_headers(scope["headers"], max_body_bytes)
+
+
+def plain_json_headers(headers: list[tuple[bytes, bytes]], max_body_bytes: int) -> bool:
+    """``plain_json`` of a request's headers as uvicorn parsed them (lower-case names): what a
+    fast route of the server's protocol (``app.core.fast_http``) takes."""
     length = False
-    for name, value in scope["headers"]:
+    for name, value in headers:
         if name == b"content-length":
             length = value.isdigit() and int(value) <= max_body_bytes
         elif name == b"expect" or name == b"transfer-encoding":
             return False
-    return length and json_content(scope)
+    return length and _json_type(headers)
 
 
 async def read_body(receive: Receive) -> bytes | None:

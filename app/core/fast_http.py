@@ -12,7 +12,9 @@ whole. Its answer is one of:
   204 or 304): the answer of a route that must wait on something (the router's proxied
   completion waits on its worker), awaited in a task of the connection's. The connection counts
   as busy until it is written, so that a request pipelined behind it waits in uvicorn's queue;
-  a connection lost meanwhile gets nothing; an awaitable that raises is logged and answered
+  a connection lost meanwhile cancels the task (the answer is no longer wanted: a worker's job
+  is cancelled, a router's hop to its worker closed, as vLLM aborts a request whose client
+  left) and gets nothing; an awaitable that raises is logged and answered
   with uvicorn's own 500, and the connection closed, as is one cancelled (a shutdown's
   deadline passed);
 * None: anything but the route's plain case. The request is handed to the ASGI app exactly as
@@ -34,6 +36,7 @@ The protocol runs on ``app.core.http_protocol``'s joining transport, so that eve
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 from collections.abc import Awaitable, Callable, Mapping
@@ -104,6 +107,7 @@ class _FastProtocol(OneWriteHttpToolsProtocol):
         super().__init__(*args, **kwargs)
         self._fast_route: FastRoute | None = None
         self._fast_body = bytearray()
+        self._later: set[asyncio.Task[None]] = set()  # the answers given later, not yet written
 
     def on_message_begin(self) -> None:
         # uvicorn's, less the ASGI scope: a fast route never needs one (``_begin_scope``).
@@ -191,6 +195,13 @@ class _FastProtocol(OneWriteHttpToolsProtocol):
         task = self.loop.create_task(self._write_later(pending, answer, self.url))
         task.add_done_callback(self.tasks.discard)
         self.tasks.add(task)  # a graceful shutdown waits for it, as for an ASGI cycle
+        task.add_done_callback(self._later.discard)
+        self._later.add(task)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
+        for task in self._later:  # nobody to answer: the work for it stops
+            task.cancel()
 
     async def _write_later(
         self, pending: _Pending, answer: Awaitable[RawAnswer], url: bytes

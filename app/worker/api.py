@@ -502,4 +502,7 @@ def install(app: FastAPI, settings: WorkerSettings, *, fast_path: bool = True) -
     app.include_router(_admin_router(settings))
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     if fast_path:  # in front of the framework's middleware: what a server runs (app.core.http)
-        app.state.asgi_front = CompletionFastPath(app, settings.max_body_bytes)
+        front = CompletionFastPath(app, settings.max_body_bytes)
+        app.state.asgi_front = front
+        app.state.fast_routes = front.fast_routes()  # and in the server's protocol, before it
+        app.state.fast_max_body_bytes = settings.max_body_bytes

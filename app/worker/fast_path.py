@@ -23,14 +23,16 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Coroutine
 from typing import Any
 
 import orjson
 from fastapi import FastAPI
 from starlette.types import Receive, Scope, Send
 
-from app.core.asgi import plain_json, read_body, replay, send_json
+from app.core.asgi import plain_json, plain_json_headers, read_body, replay, send_json
 from app.core.errors import BadRequest
+from app.core.fast_http import FastRoute, RawAnswer
 from app.core.middleware import error_body
 from app.core.token_json import parse_token_body
 from app.worker.completions import completion_body, tokens_job
@@ -157,6 +159,21 @@ class CompletionFastPath:
             known = self._shape = (runtime, runtime.settings.shape)
         return known[1]
 
+    def start(self, body: bytes) -> tuple[WorkerRuntime, Job | Refusal] | None:
+        """A plain body's job, submitted to the engine, or the engine's refusal of it; None
+        when the body is not plain (or the worker not started): the FastAPI route answers."""
+        runtime: WorkerRuntime | None = getattr(self.app.state, "runtime", None)
+        if runtime is None:
+            return None
+        job = plain_job(runtime, body, self._shape_of(runtime))
+        if job is None:
+            return None
+        try:
+            runtime.engine.submit(job)
+        except EngineError as exc:
+            return runtime, refusal(exc)
+        return runtime, job
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if (
             scope["type"] != "http"
@@ -170,28 +187,70 @@ class CompletionFastPath:
         body = await read_body(receive)
         if body is None:  # the client went away
             return
-        runtime: WorkerRuntime | None = getattr(self.app.state, "runtime", None)
-        job = plain_job(runtime, body, self._shape_of(runtime)) if runtime is not None else None
-        if runtime is None or job is None:
+        started = self.start(body)
+        if started is None:
             await self.app(scope, replay(body, receive), send)
             return
-        engine = runtime.engine
-        try:
-            engine.submit(job)
-        except EngineError as exc:
-            await _refuse(send, refusal(exc))
+        runtime, job = started
+        if not isinstance(job, Job):
+            await _refuse(send, job)
             return
         created = int(time.time())
-        await await_job(engine, job, receive)
+        await await_job(runtime.engine, job, receive)
         failed = failed_job(job)
         if failed is not None:
             await _refuse(send, failed)
             return
-        settings = runtime.settings
-        answer = completion_body(
-            job, settings.worker_id, settings.model_name, created, runtime.tokenizer
-        )
-        await send_json(send, 200, orjson.dumps(answer))
+        await send_json(send, 200, _completion(runtime, job, created))
+
+    def fast_routes(self) -> dict[bytes, FastRoute]:
+        """``POST /v1/completions`` in the server's protocol (``app.core.fast_http``): a plain
+        body answered as ``__call__`` answers it, without uvicorn's ASGI request cycle (a
+        scope, a task, two sends); the connection's loss cancels the job, as a disconnect
+        does there. Anything else goes on to ``__call__`` and the framework, unchanged."""
+
+        def completion(
+            headers: list[tuple[bytes, bytes]], body: bytes
+        ) -> Coroutine[Any, Any, RawAnswer] | None:
+            if not plain_json_headers(headers, self.max_body_bytes):
+                return None
+            started = self.start(body)
+            return None if started is None else _answer_later(*started)
+
+        return {PATH.encode(): completion}
+
+
+def _completion(runtime: WorkerRuntime, job: Job, created: int) -> bytes:
+    settings = runtime.settings
+    return orjson.dumps(
+        completion_body(job, settings.worker_id, settings.model_name, created, runtime.tokenizer)
+    )
+
+
+_JSON = (b"content-type", b"application/json")
+
+
+async def _answer_later(runtime: WorkerRuntime, job: Job | Refusal) -> RawAnswer:
+    """A fast route's answer: the job's completion once it is done (cancelled if this
+    coroutine is: the client left), or the refusal."""
+    if not isinstance(job, Job):
+        return _raw_refusal(job)
+    created = int(time.time())
+    try:
+        await job.done
+    finally:
+        if not job.finished:
+            runtime.engine.cancel(job.job_id)
+    failed = failed_job(job)
+    if failed is not None:
+        return _raw_refusal(failed)
+    return 200, [_JSON], _completion(runtime, job, created)
+
+
+def _raw_refusal(answer: Refusal) -> RawAnswer:
+    status, message, kind, param, headers = answer
+    raw = [_JSON] + [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
+    return status, raw, orjson.dumps(error_body(message, kind, param))
 
 
 async def _refuse(send: Send, answer: Refusal) -> None:

@@ -4,18 +4,14 @@ routes: the same status and body for good and bad input, and which bodies it tak
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 import numpy as np
 import orjson
 import pytest
-import uvicorn
 
-from app.core.http import front_of, uvicorn_config
-from app.core.net import free_port
+from app.core.http import front_of
 from app.core.token_json import _scan_plain, parse_token_body
 from app.router.fast_path import completion_answer, fast_routes, route_answer
 from app.router.runtime import RouterRuntime
@@ -24,6 +20,7 @@ from events.publisher import EventPublisher
 from events.redis_io import redis_client
 from events.snapshot import Snapshot
 from tests.app.router_support import router_settings
+from tests.support.asgi import served
 from tests.support.json_server import JsonServer
 from tests.support.wait import eventually
 
@@ -233,20 +230,6 @@ async def test_the_fast_path_and_the_framework_answer_alike(
             await redis.aclose()
 
 
-@contextlib.asynccontextmanager
-async def _served(app: Any) -> AsyncIterator[str]:
-    """``app`` under a real uvicorn server, configured as ``kvmesh router`` runs it."""
-    port = free_port()
-    server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, "warning"))
-    task = asyncio.create_task(server.serve())
-    try:
-        await eventually(lambda: server.started)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        await asyncio.wait_for(task, 10)
-
-
 async def _pipelined(url: str, bodies: list[bytes]) -> list[tuple[int, Any]]:
     """``bodies`` POSTed to /v1/completions at once on one connection; (status, JSON) each."""
     host, _, port = url.removeprefix("http://").partition(":")
@@ -281,11 +264,11 @@ async def test_the_servers_protocol_answers_completions_as_the_framework_does(
     engine = engine_running.__enter__()
     redis = redis_client(clean_redis_url)
     publisher = await _publisher(redis, engine.url)
-    served, full_app = (router_app(router_settings(clean_redis_url)) for _ in range(2))
+    served_app, full_app = (router_app(router_settings(clean_redis_url)) for _ in range(2))
     # Which bodies the protocol's route took: the three paths answer alike by design, so the
     # test must see that the one under test answered.
     took: list[bytes] = []
-    completion_route = served.state.fast_routes[b"/v1/completions"]
+    completion_route = served_app.state.fast_routes[b"/v1/completions"]
 
     def counted(headers: list[tuple[bytes, bytes]], body: bytes) -> Any:
         answer = completion_route(headers, body)
@@ -293,17 +276,17 @@ async def test_the_servers_protocol_answers_completions_as_the_framework_does(
             took.append(body)
         return answer
 
-    served.state.fast_routes = {**served.state.fast_routes, b"/v1/completions": counted}
+    served_app.state.fast_routes = {**served_app.state.fast_routes, b"/v1/completions": counted}
     try:
         async with (
-            _served(served) as url,
+            served(served_app) as url,
             full_app.router.lifespan_context(full_app),
             httpx.AsyncClient(base_url=url) as real,
             httpx.AsyncClient(
                 transport=httpx.ASGITransport(app=full_app), base_url="http://r"
             ) as full,
         ):
-            runtimes: list[RouterRuntime] = [served.state.runtime, full_app.state.runtime]
+            runtimes: list[RouterRuntime] = [served_app.state.runtime, full_app.state.runtime]
             await eventually(lambda: all(r.readiness()["ready"] for r in runtimes))
 
             async def both(body: bytes) -> list[httpx.Response]:

@@ -3,8 +3,10 @@ status, body and headers for good and bad input, whichever of the two takes the 
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
+import httpx
 import orjson
 import pytest
 
@@ -14,7 +16,8 @@ from app.worker.engine import Job
 from app.worker.runtime import WorkerRuntime
 from app.worker.settings import ModelShape
 from tests.app.worker_support import expected_output, worker_settings
-from tests.support.asgi import asgi_client
+from tests.support.asgi import asgi_client, served
+from tests.support.wait import eventually
 
 JSON = {"content-type": "application/json"}
 LONG = list(range(40))
@@ -245,3 +248,65 @@ async def test_the_front_leaves_streamed_expecting_and_oversized_bodies_to_the_f
         413,
         f"request body is larger than {len(body)} bytes",
     )
+
+
+async def test_the_servers_protocol_answers_completions_as_the_route_does(
+    clean_redis_url: str,
+) -> None:
+    """A real server answers plain completions from its protocol (``fast_routes``): every
+    case, the same status, body and headers as the FastAPI route, and only the plain ones
+    taken there."""
+    served_app = create_app(worker_settings(clean_redis_url, virtual_clock=True))
+    route_app = create_app(worker_settings(clean_redis_url, virtual_clock=True), fast_path=False)
+    taken: list[bool] = []
+    completion = served_app.state.fast_routes[b"/v1/completions"]
+
+    def counted(headers: list[tuple[bytes, bytes]], body: bytes) -> Any:
+        answer = completion(headers, body)
+        taken.append(answer is not None)
+        return answer
+
+    served_app.state.fast_routes = {b"/v1/completions": counted}
+    async with (
+        served(served_app) as url,
+        httpx.AsyncClient(base_url=url) as real,
+        asgi_client(route_app, "http://worker") as (routed, _),
+    ):
+        for body, content_type, query, fast in CASES:
+            taken.clear()
+            answers = []
+            for client in (real, routed):
+                response = await client.post(
+                    "/v1/completions" + ("?" + query if query else ""),
+                    content=_raw(body),
+                    headers={"content-type": content_type} if content_type else {},
+                )
+                kept = {
+                    name: response.headers[name]
+                    for name in ("content-type", "retry-after")
+                    if name in response.headers
+                }
+                assert response.headers["content-length"] == str(len(response.content))
+                answers.append((response.status_code, _normalised(response.json()), kept))
+            assert answers[0] == answers[1], body
+            assert taken == ([fast] if not query else []), body
+
+
+async def test_a_client_gone_cancels_its_job_on_the_protocols_path(clean_redis_url: str) -> None:
+    settings = worker_settings(clean_redis_url, sim_decode_us_per_sequence=50_000.0)
+    app = create_app(settings)
+    async with served(app) as url:
+        host, _, port = url.removeprefix("http://").partition(":")
+        runtime: WorkerRuntime = app.state.runtime
+        _, writer = await asyncio.open_connection(host, int(port))
+        body = orjson.dumps({"prompt": [1, 2, 3], "max_tokens": 200, "request_id": "gone"})
+        writer.write(
+            b"POST /v1/completions HTTP/1.1\r\nhost: w\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        await writer.drain()
+        engine = runtime.engine
+        await eventually(lambda: [job.job_id for job in engine.running] == ["gone"])
+        writer.close()
+        await eventually(lambda: engine.stats.cancelled == 1)
+        assert (engine.running, engine.jobs, engine.stats.finished) == ([], {}, 0)

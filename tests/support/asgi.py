@@ -1,17 +1,22 @@
-"""A service's FastAPI app inside its lifespan, spoken to through httpx's ASGI transport."""
+"""A service's FastAPI app inside its lifespan, spoken to through httpx's ASGI transport, or
+under a real uvicorn server configured as the services run it."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
+import uvicorn
 from fastapi import FastAPI
 
-from app.core.http import front_of
+from app.core.http import front_of, uvicorn_config
+from app.core.net import free_port
+from tests.support.wait import eventually
 
-__all__ = ["asgi_client"]
+__all__ = ["asgi_client", "served"]
 
 
 @contextlib.asynccontextmanager
@@ -23,3 +28,18 @@ async def asgi_client(app: FastAPI, base_url: str) -> AsyncIterator[tuple[httpx.
         transport = httpx.ASGITransport(app=front_of(app))  # as a server runs it
         async with httpx.AsyncClient(transport=transport, base_url=base_url) as client:
             yield client, app.state.runtime
+
+
+@contextlib.asynccontextmanager
+async def served(app: FastAPI) -> AsyncIterator[str]:
+    """``app`` under a real uvicorn server, configured as ``kvmesh router`` and ``kvmesh
+    worker`` run it (its fast routes in the server's protocol included); yields its URL."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, "warning"))
+    task = asyncio.create_task(server.serve())
+    try:
+        await eventually(lambda: server.started)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(task, 10)
