@@ -26,7 +26,7 @@ from app.worker.api import install
 from app.worker.runtime import WorkerRuntime
 from app.worker.settings import WorkerSettings
 
-__all__ = ["create_app", "serve"]
+__all__ = ["create_app", "serve", "server_config"]
 
 logger = logging.getLogger(__name__)
 
@@ -75,10 +75,17 @@ class _Server(uvicorn.Server):
         self._draining = asyncio.create_task(drain_then_exit(), name="kvmesh-drain")
 
 
-def serve(settings: WorkerSettings) -> None:
-    """Run the worker until SIGTERM/SIGINT (blocking); each answer leaves in one write
-    (``app.core.http_protocol``)."""
-    app = create_app(settings)
+def server_config(app: FastAPI, settings: WorkerSettings) -> uvicorn.Config:
+    """How ``serve`` runs ``app``: as every service runs (``app.core.http``: the plain
+    completions answered from the protocol), each answer in one write in any case
+    (``app.core.http_protocol``: the fast routes' protocol writes so too)."""
     config = uvicorn_config(app, settings.host, settings.port, settings.log_level)
-    config.http = OneWriteHttpToolsProtocol
-    _Server(config, app).run()
+    if not isinstance(config.http, type):  # no fast routes: the plain protocol
+        config.http = OneWriteHttpToolsProtocol
+    return config
+
+
+def serve(settings: WorkerSettings) -> None:
+    """Run the worker until SIGTERM/SIGINT (blocking)."""
+    app = create_app(settings)
+    _Server(server_config(app, settings), app).run()

@@ -11,7 +11,8 @@ import orjson
 import pytest
 
 import app.worker.fast_path as fast_path
-from app.worker.app import create_app
+from app.core.http_protocol import OneWriteHttpToolsProtocol
+from app.worker.app import create_app, server_config
 from app.worker.engine import Job
 from app.worker.runtime import WorkerRuntime
 from app.worker.settings import ModelShape
@@ -310,3 +311,14 @@ async def test_a_client_gone_cancels_its_job_on_the_protocols_path(clean_redis_u
         writer.close()
         await eventually(lambda: engine.stats.cancelled == 1)
         assert (engine.running, engine.jobs, engine.stats.finished) == ([], {}, 0)
+
+
+def test_kvmesh_worker_runs_the_protocol_with_the_fast_route(clean_redis_url: str) -> None:
+    """What ``kvmesh worker`` serves with: the protocol holding the plain completions route
+    (a plain one-write protocol where the fast path is off)."""
+    settings = worker_settings(clean_redis_url)
+    fast = server_config(create_app(settings), settings).http
+    plain = server_config(create_app(settings, fast_path=False), settings).http
+    assert isinstance(fast, type) and fast.__name__ == "FastHttpToolsProtocol"
+    assert set(fast.routes) == {b"/v1/completions"}  # type: ignore[attr-defined]
+    assert plain is OneWriteHttpToolsProtocol
