@@ -1,7 +1,7 @@
 """Forwarding a completion to the chosen worker: the FastAPI routes' and the fast path's.
 
-The hop goes through ``runtime.upstream`` (``app.router.upstream``: keep-alive HTTP/1.1 on
-asyncio streams, httpx for other schemes than ``http``). A worker that fails before answering
+The hop goes through ``runtime.upstream`` (``app.router.upstream``: keep-alive HTTP/1.1 on an
+asyncio protocol, httpx for other schemes than ``http``). A worker that fails before answering
 (connection refused or reset, a timeout on connecting, or a 502/503/504) is tried once more on
 the next best worker; if that fails too the client gets a 502 naming both. A worker's own
 answer (a 4xx about the request, say) is passed through as it came, with the worker's id in
