@@ -1,10 +1,12 @@
 """``kvmesh router`` as a real process, with two ``kvmesh worker`` processes and a private Redis:
-a prompt sent twice is served from the cache the second time, streams pass through, a worker
-killed with SIGKILL leaves the rotation within its heartbeat TTL, and SIGTERM exits cleanly."""
+a prompt sent twice is served from the cache the second time, streams pass through, a client
+that leaves has its job cancelled, a worker killed with SIGKILL leaves the rotation within its
+heartbeat TTL, and SIGTERM exits cleanly."""
 
 from __future__ import annotations
 
 import signal
+import socket
 import time
 from typing import Any
 
@@ -24,6 +26,11 @@ def _route(base: str) -> dict[str, Any]:
     return body
 
 
+def _engine(url: str) -> dict[str, int]:
+    counts: dict[str, int] = httpx.get(f"{url}/stats").json()["engine"]
+    return counts
+
+
 def _workers(base: str) -> dict[str, dict[str, Any]]:
     return {w["worker"]: w for w in httpx.get(f"{base}/workers").json()["workers"]}
 
@@ -33,7 +40,7 @@ def test_router_process_routes_to_the_cache_and_survives_a_killed_worker(
 ) -> None:
     with two_workers_and_a_router(
         embedded_redis.url, num_blocks=128, heartbeat_ttl_s=HEARTBEAT_TTL_S
-    ) as (base, procs, _):
+    ) as (base, procs, urls):
         router = procs["router"]
 
         # The same prompt twice: the second lands where the first left its blocks.
@@ -58,6 +65,19 @@ def test_router_process_routes_to_the_cache_and_survives_a_killed_worker(
         assert lines[-1] == "data: [DONE]"
         chunks = [orjson.loads(line.removeprefix("data: ")) for line in lines[:-1]]
         assert sum(len(c["choices"][0]["token_ids"]) for c in chunks) == 3
+
+        # A client that leaves a plain completion: the router closes its hop, and the worker
+        # cancels the job (each answers it from its protocol).
+        engine = _engine(urls[holder])
+        body = orjson.dumps({"prompt": PROMPT, "max_tokens": 1_500})
+        with socket.create_connection(("127.0.0.1", int(base.rpartition(":")[2]))) as client:
+            client.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nhost: r\r\ncontent-type: application/json"
+                b"\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+            )
+            wait_for(lambda: _engine(urls[holder])["submitted"] == engine["submitted"] + 1)
+        wait_for(lambda: _engine(urls[holder])["cancelled"] == engine["cancelled"] + 1)
+        assert _engine(urls[holder])["finished"] == engine["finished"]
 
         # Kill the holder: the next request still succeeds (retried on the other worker) ...
         procs[holder].send_signal(signal.SIGKILL)
