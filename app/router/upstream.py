@@ -246,10 +246,7 @@ class _Connection(asyncio.Protocol):
         finally:
             if handle is not None:
                 handle.cancel()
-        end += len(separator)
-        data = bytes(buffer[:end])
-        del buffer[:end]
-        return data
+        return self._take(end + len(separator))
 
     async def read_exactly(self, size: int, timeout_s: float) -> bytes:
         buffer = self._buffer
@@ -261,13 +258,7 @@ class _Connection(asyncio.Protocol):
         finally:
             if handle is not None:
                 handle.cancel()
-        if len(buffer) == size:
-            data = bytes(buffer)
-            buffer.clear()
-        else:
-            data = bytes(buffer[:size])
-            del buffer[:size]
-        return data
+        return self._take(size)
 
     async def read_some(self, most: int, timeout_s: float) -> bytes:
         """What has come (at most ``most`` bytes), or b"" once the worker closed."""
@@ -283,8 +274,17 @@ class _Connection(asyncio.Protocol):
         finally:
             if handle is not None:
                 handle.cancel()
-        data = bytes(buffer[:most])
-        del buffer[:most]
+        return self._take(most)
+
+    def _take(self, size: int) -> bytes:
+        """The first ``size`` bytes received (or all there are), no longer kept."""
+        buffer = self._buffer
+        if len(buffer) <= size:  # the usual case: the whole buffer, one copy
+            data = bytes(buffer)
+            buffer.clear()
+        else:
+            data = bytes(buffer[:size])
+            del buffer[:size]
         return data
 
     def _check_open(self, closed: str) -> None:
