@@ -169,7 +169,7 @@ try:
             while found:
                 if count >= commas.shape[0] - 1:
                     return -1
-                commas[count] = g + trailing_zeros(found)  # type: ignore[call-arg]
+                commas[count] = g + np.int64(trailing_zeros(found))  # type: ignore[call-arg]
                 count += 1
                 found &= found - _U(1)
             g += 64

@@ -61,7 +61,7 @@ class RouterMetrics(Collector):
         )
         self.completions = Counter(
             "kvmesh_router_completions",
-            "Proxied completions, per worker and HTTP status",
+            "Proxied completions, per worker and HTTP status (499: the client left first)",
             ["worker", "status"],
             registry=self.registry,
         )

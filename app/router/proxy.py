@@ -10,6 +10,7 @@ answer (a 4xx about the request, say) is passed through as it came, with the wor
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -111,6 +112,9 @@ async def proxy(
                 return error(502, f"worker {worker} failed mid-response", "upstream_error")
             finally:
                 await upstream.aclose()
+        except asyncio.CancelledError:  # the client left (``app.core.fast_http``): nginx's 499
+            metrics.count_completion(worker, 499)
+            raise
         finally:  # whatever happened (an unexpected exception too), no flight is left behind
             if not relayed:
                 core.finish(request_id)

@@ -160,6 +160,7 @@ class _Connection(asyncio.Protocol):
         self._eof = False
         self._error: Exception | None = None
         self._paused = False
+        self._expired = False  # the deadline of the read under way passed
         self.closed: asyncio.Future[None] = loop.create_future()
 
     # -- asyncio.Protocol ------------------------------------------------------------------
@@ -236,9 +237,9 @@ class _Connection(asyncio.Protocol):
         """Up to and with ``separator``, which must come within ``_MAX_HEAD_BYTES``; ``closed``
         says what it means when the worker closes first."""
         buffer = self._buffer
-        handle: asyncio.TimerHandle | None = None
+        handle: asyncio.Handle | None = None
         try:
-            while (end := buffer.find(separator)) < 0:
+            while (end := buffer.find(separator, 0, _MAX_HEAD_BYTES + len(separator))) < 0:
                 if len(buffer) > _MAX_HEAD_BYTES:
                     raise RemoteProtocolError("a line of the answer is too long")
                 self._check_open(closed)
@@ -250,7 +251,7 @@ class _Connection(asyncio.Protocol):
 
     async def read_exactly(self, size: int, timeout_s: float) -> bytes:
         buffer = self._buffer
-        handle: asyncio.TimerHandle | None = None
+        handle: asyncio.Handle | None = None
         try:
             while len(buffer) < size:
                 self._check_open("the worker closed in the middle of its answer")
@@ -263,7 +264,7 @@ class _Connection(asyncio.Protocol):
     async def read_some(self, most: int, timeout_s: float) -> bytes:
         """What has come (at most ``most`` bytes), or b"" once the worker closed."""
         buffer = self._buffer
-        handle: asyncio.TimerHandle | None = None
+        handle: asyncio.Handle | None = None
         try:
             while not buffer:
                 if self._eof:
@@ -293,14 +294,13 @@ class _Connection(asyncio.Protocol):
                 raise ReadError(str(self._error) or type(self._error).__name__)
             raise RemoteProtocolError(closed)
 
-    async def _wait(
-        self, timeout_s: float, handle: asyncio.TimerHandle | None
-    ) -> asyncio.TimerHandle:
+    async def _wait(self, timeout_s: float, handle: asyncio.Handle | None) -> asyncio.Handle:
         """Until more bytes come, the worker closes, or the read's deadline (one timer for
         the whole read, set at its first wait) passes."""
         if handle is None:
+            self._expired = False
             handle = self.loop.call_later(timeout_s, self._expire, timeout_s)
-        elif self.loop.time() >= handle.when():  # it fired as bytes came: too late all the same
+        elif self._expired:  # it fired as bytes came, with no read waiting: too late all the same
             raise ReadTimeout(f"no answer within {timeout_s} s")
         if self._paused and self.transport is not None:
             self._paused = False
@@ -317,6 +317,8 @@ class _Connection(asyncio.Protocol):
         if waiter is not None and not waiter.done():
             self._waiter = None
             waiter.set_exception(ReadTimeout(f"no answer within {timeout_s} s"))
+        else:  # (the clock is not asked: uvloop's timers may fire before their when())
+            self._expired = True
 
 
 class _Response:

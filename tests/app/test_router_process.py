@@ -78,6 +78,8 @@ def test_router_process_routes_to_the_cache_and_survives_a_killed_worker(
             wait_for(lambda: _engine(urls[holder])["submitted"] == engine["submitted"] + 1)
         wait_for(lambda: _engine(urls[holder])["cancelled"] == engine["cancelled"] + 1)
         assert _engine(urls[holder])["finished"] == engine["finished"]
+        left = f'kvmesh_router_completions_total{{status="499",worker="{holder}"}} 1.0'
+        assert left in httpx.get(f"{base}/metrics").text
 
         # Kill the holder: the next request still succeeds (retried on the other worker) ...
         procs[holder].send_signal(signal.SIGKILL)

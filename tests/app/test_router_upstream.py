@@ -22,6 +22,7 @@ from app.router.upstream import (
     RemoteProtocolError,
     UpstreamResponse,
     WorkerClient,
+    _Connection,
 )
 from tests.app.router_support import router_client, router_settings
 from tests.app.worker_support import worker_client, worker_settings
@@ -225,8 +226,9 @@ async def test_an_answer_larger_than_the_pause_threshold_comes_whole_either_way(
     assert server.connections == 1
 
 
-async def test_a_head_that_never_ends_is_a_protocol_error() -> None:
-    endless = b"HTTP/1.1 200 OK\r\n" + b"x-filler: " + b"x" * 70_000
+@pytest.mark.parametrize("end", [b"", b"\r\n\r\n"], ids=["never-ends", "ends-too-late"])
+async def test_a_head_longer_than_64_kib_is_a_protocol_error(end: bytes) -> None:
+    endless = b"HTTP/1.1 200 OK\r\n" + b"x-filler: " + b"x" * 70_000 + end
     async with serving(lambda n: endless) as server:
         upstream = client(read_timeout_s=2.0)
         with pytest.raises(RemoteProtocolError, match="a line of the answer is too long"):
@@ -269,6 +271,17 @@ async def test_idle_connections_expire_and_unread_answers_drop_theirs() -> None:
             await (await upstream.post(f"http://127.0.0.1:{server.port}/x", b"{}")).aclose()
         await upstream.aclose()
     assert server.connections == 4
+
+
+async def test_a_read_timeout_shorter_than_a_millisecond_is_still_a_read_timeout() -> None:
+    """uvloop makes a timer of under 0.5 ms a plain handle, with no ``when()``: a read that
+    waits twice must still time out as a ``ReadTimeout``, whichever loop runs it."""
+    loop = asyncio.get_running_loop()
+    connection = _Connection(loop)  # no socket: the bytes are handed to it as the loop would
+    reading = loop.create_task(connection.read_until(b"\r\n\r\n", 0.0004))
+    loop.call_soon(connection.data_received, b"HTTP/1.1 200 OK\r\n")  # part of a head, at once
+    with pytest.raises(ReadTimeout, match=r"no answer within 0\.0004 s"):
+        await reading
 
 
 async def test_each_failure_is_its_own_error() -> None:

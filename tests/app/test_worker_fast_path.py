@@ -4,6 +4,7 @@ status, body and headers for good and bad input, whichever of the two takes the 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 import httpx
@@ -201,15 +202,21 @@ async def test_the_engine_refuses_alike_on_both_paths(
     retry_after: str,
 ) -> None:
     answers = []
-    for use_fast_path in (True, False):
+    for path in ("protocol", "front", "route"):  # the server's protocol, the ASGI front, FastAPI
         settings = worker_settings(clean_redis_url, **overrides)
-        app = create_app(settings, fast_path=use_fast_path)
-        async with asgi_client(app, "http://worker") as (client, runtime):
+        app = create_app(settings, fast_path=path != "route")
+        async with contextlib.AsyncExitStack() as stack:
+            if path == "protocol":
+                url = await stack.enter_async_context(served(app))
+                client = await stack.enter_async_context(httpx.AsyncClient(base_url=url))
+                runtime = app.state.runtime
+            else:
+                client, runtime = await stack.enter_async_context(asgi_client(app, "http://w"))
             if drain:
                 runtime.admin_drain()
             response = await client.post("/v1/completions", json={"prompt": [1], "max_tokens": 1})
         answers.append((response.status_code, response.json(), response.headers["retry-after"]))
-    assert answers[0] == answers[1]
+    assert answers[0] == answers[1] == answers[2]
     assert answers[0] == (
         status,
         {

@@ -38,7 +38,10 @@ async def served(app: FastAPI) -> AsyncIterator[str]:
     server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, "warning"))
     task = asyncio.create_task(server.serve())
     try:
-        await eventually(lambda: server.started)
+        await eventually(lambda: server.started or task.done())
+        if task.done():  # it could not start (the port taken meanwhile, say): say why
+            task.result()
+            raise RuntimeError("uvicorn stopped before it started")
         yield f"http://127.0.0.1:{port}"
     finally:
         server.should_exit = True
