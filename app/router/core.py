@@ -553,8 +553,8 @@ class RouterCore:
         return len(held) + sum(1 for h, expiry in approx.items() if expiry > now and h not in held)
 
     def _purge(self, now: float) -> None:
-        """Forget the predictions made more than ``predict_ttl_s`` ago, and approximate
-        workers' whose ``approx_ttl_s`` passed.
+        """Turn the generations when due (the older one forgotten), and forget approximate
+        workers' predictions whose ``approx_ttl_s`` passed.
 
         Predictions are not timed one by one (a dict write and a delete per block, 256 of
         each for a proxied 4,096-token prompt): they go into the newer of two generations,

@@ -16,7 +16,9 @@ sent as JSON, a streamed body or one past the body limit (``BodyLimit``'s), a qu
 every request the checks of ``tokens_job`` refuse (400).
 The engine's refusals (429, 503, 409) are answered here, by the same mapping as the route's
 (``refusal``). The OpenAPI schema is the FastAPI route's. ``CompletionFastPath`` runs in front
-of the framework's middleware (it is the server's outermost app), whose layers it skips.
+of the framework's middleware (it is the server's outermost app), whose layers it skips; and
+its ``fast_routes`` answer the same bodies from the server's protocol, before any ASGI cycle
+(``app.core.fast_http``), where a client that leaves cancels its job as a disconnect does here.
 """
 
 from __future__ import annotations
