@@ -58,6 +58,14 @@ try:
     _PAST_NINE = _U(0x7676767676767676)  # lifts a byte above 9 past 0x7f
     _HIGH_BITS = _U(0x8080808080808080)
 
+    @numba.njit(cache=True, nogil=True, inline="always")
+    def _value(digits: Any) -> Any:  # pragma: no cover - compiled
+        """The number whose 1-8 decimal digits (0-9 each) fill the top bytes of ``digits``,
+        the first one lowest: three multiply-and-mask steps, with no branch on its length."""
+        digits = (digits * _U(10) + (digits >> _U(8))) & _U(0x00FF00FF00FF00FF)
+        digits = (digits * _U(100) + (digits >> _U(16))) & _U(0x0000FFFF0000FFFF)
+        return (digits * _U(10000) + (digits >> _U(32))) & _U(0xFFFFFFFF)
+
     @numba.njit(cache=True, nogil=True)
     def _scan(  # pragma: no cover - compiled
         buf: Any, words: Any, spaced: bool, i: int, out: Any
@@ -88,10 +96,7 @@ try:
                 break  # not a number here (whitespace?)
             if length > 1 and word & _U(0xFF) == 0:
                 return -1, i  # a leading zero
-            number = word << _U(64 - 8 * length)  # its digits alone, the first one lowest
-            number = (number * _U(10) + (number >> _U(8))) & _U(0x00FF00FF00FF00FF)
-            number = (number * _U(100) + (number >> _U(16))) & _U(0x0000FFFF0000FFFF)
-            number = (number * _U(10000) + (number >> _U(32))) & _U(0xFFFFFFFF)
+            number = _value(word << _U(64 - 8 * length))  # its digits alone, shifted up
             after = buf[i + length]
             if after == 44:  # ,
                 out[k] = np.uint32(number)
@@ -195,10 +200,7 @@ try:
                 shift = _U(64 - 8 * length)
                 bad |= ((word | (word + _PAST_NINE)) & _HIGH_BITS) << shift
                 bad |= _U(length > 1 and word & _U(0xFF) == 0)  # a leading zero
-                number = word << shift
-                number = (number * _U(10) + (number >> _U(8))) & _U(0x00FF00FF00FF00FF)
-                number = (number * _U(100) + (number >> _U(16))) & _U(0x0000FFFF0000FFFF)
-                number = (number * _U(10000) + (number >> _U(32))) & _U(0xFFFFFFFF)
+                number = _value(word << shift)
             else:  # the body's last 8 bytes: one at a time
                 number = _U(0)
                 for j in range(s, e):

@@ -31,7 +31,7 @@ from fastapi import FastAPI
 from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from app.core.asgi import read_body, replay, send_json
+from app.core.asgi import plain_json_headers, read_body, replay, send_json
 from app.core.errors import ApiError
 from app.core.fast_http import FastRoute, RawAnswer
 from app.core.http import error
@@ -123,26 +123,14 @@ async def _raw(answer: Awaitable[Response]) -> RawAnswer:
 
 def plain_headers(headers: list[tuple[bytes, bytes]], max_body_bytes: int) -> str | None:
     """The session (``x-session-id``, "" when none) of a request whose headers the fast path
-    takes: a JSON content type (FastAPI parses the body only for one), a Content-Length within
-    the limit (else ``BodyLimit`` answers), no ``Expect``; None for any other."""
-    json_type = False
-    length = False
-    session = ""
-    seen = False
+    takes (``app.core.asgi.plain_json_headers``: a JSON body FastAPI would parse, within the
+    body limit, not streamed, no ``Expect``); None for any other."""
+    if not plain_json_headers(headers, max_body_bytes):
+        return None
     for name, value in headers:
-        if name == b"content-type":
-            kind = value.split(b";", 1)[0].strip().lower()
-            json_type = kind == b"application/json" or (
-                kind.startswith(b"application/") and kind.endswith(b"+json")
-            )
-        elif name == b"content-length":
-            length = value.isdigit() and int(value) <= max_body_bytes
-        elif name == b"x-session-id" and not seen:  # the first, as Starlette reads it
-            session = value.decode("latin-1")
-            seen = True
-        elif name == b"expect" or name == b"transfer-encoding":
-            return None
-    return session if json_type and length else None
+        if name == b"x-session-id":  # the first, as Starlette reads it
+            return value.decode("latin-1")
+    return ""
 
 
 def _str_or_none(value: Any, longest: int | None = None) -> bool:
