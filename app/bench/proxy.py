@@ -53,6 +53,7 @@ import orjson
 import uvloop
 
 from app.bench.http_client import KeepAliveConnection
+from app.bench.procfs import busy_us_per_request
 from app.bench.worker import (
     WORKER_OPTIONS,
     _cpu_seconds,
@@ -252,15 +253,6 @@ def _way(prefix: str, way: Way) -> dict[str, Any]:
     return out
 
 
-def _busy_us(direct: Way, proxied: Way) -> float | None:
-    """The router's CPU per proxied request less its idle rate (CPU/s over the direct batches)
-    for as long as the proxied batches took."""
-    if not proxied.ok or direct.seconds <= 0:
-        return None
-    idle = direct.router_cpu_s / direct.seconds * proxied.seconds
-    return round(max(proxied.router_cpu_s - idle, 0.0) / proxied.ok * 1e6, 1)
-
-
 def measure(sizes: dict[str, int]) -> dict[str, Any]:
     bodies = make_bodies(sizes["prompts"])
     worker_id = f"bench-{secrets.token_hex(3)}"
@@ -302,7 +294,9 @@ def measure(sizes: dict[str, int]) -> dict[str, Any]:
             round(router_cpu_s / proxied.ok * 1e6, 1) if proxied.ok else None
         ),
         "router_idle_cpu_s": round(direct.router_cpu_s, 3),
-        "router_busy_cpu_us_per_request": _busy_us(direct, proxied),
+        "router_busy_cpu_us_per_request": busy_us_per_request(
+            proxied.router_cpu_s, proxied.seconds, proxied.ok, direct.router_cpu_s, direct.seconds
+        ),
         "client_cpu_s": round(spent["client"] or 0.0, 3),
         "redis_cpu_s": None if spent["redis"] is None else round(spent["redis"], 3),
         "other_cpu_s": None if machine is None else round(max(machine - ours, 0.0), 3),

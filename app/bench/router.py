@@ -17,10 +17,11 @@ case (``chat_*``, ``app.bench.chat``): a 4,096-token conversation rendered with 
 template, tokenized, hashed and decided, each stage timed.
 
 HTTP part: a private ``redis-server`` (never ``$REDIS_URL``: a shared Redis would bring its own
-workers into the router's view). A child process runs 16 ``EventPublisher``s, one per worker,
-which register the workers (URL, 16 tokens per block, capacity, heartbeat), publish their loads
-and every event of the stream (renumbered per worker from 0, as each worker's manager numbers
-its own) and stay alive, heartbeating, until the end. Then ``kvmesh router`` starts; its own
+workers into the router's view). A child process runs 16 ``EventPublisher``s, one per worker
+(``app.bench.fleet``), which register the workers (URL, 16 tokens per block, capacity,
+heartbeat), publish their loads and every event of the stream (renumbered per worker from 0, as
+each worker's manager numbers its own) and stay alive, heartbeating, until the end. Then
+``kvmesh router`` starts; its own
 consumer builds its index from the streams. Not timed: waiting until ``/index/stats`` shows the
 same blocks and block-worker entries as the in-process index and ``/ready`` answers 200
 (``router_catch_up_s``), then warm-up (one request per client at once, which opens the
@@ -41,7 +42,10 @@ for the same prompt (the router sees the same index and loads, and ties are brok
 taken from the prompt, so anything below 1.0 means the two views differ).
 ``http_rate``: answers received / seconds from the first due time to the last answer.
 ``router_cpu_s`` etc.: CPU seconds of each process and its children over the timed part
-(``/proc``; ``KVMESH_PROCESSES=N`` runs N router replicas, ``router_processes``); ``other_cpu_s``:
+(``/proc``; ``KVMESH_PROCESSES=N`` runs N router replicas, ``router_processes``);
+``router_idle_cpu_ms_per_s``: the router's CPU rate over ``IDLE_S`` (3 s; ``--quick``: 1 s)
+after the warm-up, routing nothing (its sync loop, load reads, stream reads), and
+``router_busy_cpu_us_per_request`` the CPU per request less that rate; ``other_cpu_s``:
 the rest of the machine meanwhile, ``load_average`` (1 minute) before: a router process is
 single-threaded, and the client, Redis and the publishers share the machine with it, so on a
 small or busy host the achieved rate and the tail latency measure the host as much as it.
@@ -60,32 +64,25 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
-from multiprocessing.synchronize import Event as EventType
+from dataclasses import dataclass, field
 from typing import IO, Any
 
 import httpx
-import numpy as np
 import orjson
 import uvloop
 
 from app.bench.chat import measure_chat
+from app.bench.fleet import CAPACITY_BLOCKS, publishers, worker_loads, worker_url
 from app.bench.http_client import KeepAliveConnection
-from app.bench.index import NUM_WORKERS, SEED, TOKENS_PER_BLOCK, build_streaming, generate
-from app.bench.procfs import replicas, tree_cpu_seconds
+from app.bench.index import TOKENS_PER_BLOCK, build_streaming, generate
+from app.bench.procfs import busy_us_per_request, replicas, tree_cpu_seconds
 from app.bench.worker import _delta, _machine_busy_seconds, kvmesh_process
 from app.core.embedded_redis import EmbeddedRedis
 from app.core.net import free_port
 from app.router.core import RouterCore
 from app.router.policies import RouteRequest, choose
-from cache import KVCacheEvent
-from events.codec import decode_events
 from events.index import PrefixIndex
-from events.publisher import EventPublisher
-from events.redis_io import redis_client
-from events.snapshot import Snapshot
 
 NUM_EVENTS = 20_000
 NUM_EVENTS_QUICK = 1_000
@@ -95,46 +92,23 @@ RATE = 1_000.0  # requests/s
 RATE_QUICK = 200.0
 DURATION_S = 10.0
 DURATION_QUICK_S = 1.0
+IDLE_S = 3.0  # the idle window before the timed part (at most the timed part's length)
 NUM_CLIENTS = 32
 NUM_WARMUP = 200
-CAPACITY_BLOCKS = 65_536
 HOST = "127.0.0.1"
-PUBLISH_TIMEOUT_S = 120.0
 CATCH_UP_TIMEOUT_S = 180.0
 CATCH_UP_POLL_S = 0.25
 REQUEST_TIMEOUT_S = 10.0
 STOP_TIMEOUT_S = 15.0
 
 
-def worker_loads(seed: int = SEED + 2) -> dict[str, dict[str, int]]:
-    """The load each worker reports, in the load hash's fields (seeded, fixed for the run)."""
-    rng = np.random.default_rng(seed)
-    loads: dict[str, dict[str, int]] = {}
-    for i in range(NUM_WORKERS):
-        used = int(rng.integers(4_096, 32_768))
-        loads[f"worker-{i}"] = {
-            "active_sequences": int(rng.integers(0, 33)),
-            "waiting_requests": int(rng.integers(0, 5)),
-            "free_blocks_0": CAPACITY_BLOCKS - used,
-            "used_blocks_0": used,
-            "free_blocks_1": 0,
-            "used_blocks_1": 0,
-        }
-    return loads
-
-
 def make_core(index: PrefixIndex, loads: dict[str, dict[str, int]]) -> RouterCore:
     """A router's core over ``index``, with every worker registered and its load reported."""
     core = RouterCore(index, tokens_per_block=TOKENS_PER_BLOCK, policy="kv_aware")
     for worker, load in loads.items():
-        core.upsert_worker(worker, url=_worker_url(worker), capacity_blocks=CAPACITY_BLOCKS)
+        core.upsert_worker(worker, url=worker_url(worker), capacity_blocks=CAPACITY_BLOCKS)
         core.set_load(worker, dict(load))
     return core
-
-
-def _worker_url(worker: str) -> str:
-    # Never contacted: /route only decides. The router marks a worker without a URL stale.
-    return f"http://{worker}.invalid:8000"
 
 
 def _percentile(values: Sequence[float], q: float) -> float:
@@ -191,118 +165,6 @@ def measure_decision(core: RouterCore, requests: list[list[int]]) -> dict[str, A
         "policy_p50_us": policy_p50,
         "policy_p99_us": policy_p99,
     }
-
-
-# -- the publishers (a child process) ------------------------------------------------------------
-
-
-def _events_per_worker(stream: list[tuple[str, bytes]]) -> dict[str, list[KVCacheEvent]]:
-    """The stream's events by worker, renumbered from 0 per worker (ids without gaps)."""
-    out: dict[str, list[KVCacheEvent]] = defaultdict(list)
-    for worker, blob in stream:
-        mine = out[worker]
-        for event in decode_events(blob):
-            mine.append(replace(event, event_id=len(mine)))
-    return dict(out)
-
-
-def _publisher_main(
-    redis_url: str,
-    stream: list[tuple[str, bytes]],
-    loads: dict[str, dict[str, int]],
-    ready: EventType,
-    stop: EventType,
-) -> None:
-    """Child process: 16 publishers that publish everything, then heartbeat until ``stop``."""
-    parent_pid = os.getppid()
-    events = _events_per_worker(stream)
-    uvloop.run(_run_publishers(redis_url, events, loads, ready, stop, parent_pid))
-
-
-async def _run_publishers(
-    redis_url: str,
-    events: dict[str, list[KVCacheEvent]],
-    loads: dict[str, dict[str, int]],
-    ready: EventType,
-    stop: EventType,
-    parent_pid: int,
-) -> None:
-    redis = redis_client(redis_url)
-    published: dict[str, list[KVCacheEvent]] = {worker: [] for worker in loads}
-
-    def snapshot_of(worker: str) -> Callable[[], Snapshot]:
-        # What the worker holds is what it published so far (no evictions in this workload).
-        def take() -> Snapshot:
-            mine = published[worker]
-            return Snapshot(list(mine), mine[-1].event_id if mine else -1)
-
-        return take
-
-    publishers = [
-        EventPublisher(
-            redis,
-            worker,
-            snapshot_source=snapshot_of(worker),
-            registry_entry={
-                "url": _worker_url(worker),
-                "tokens_per_block": TOKENS_PER_BLOCK,
-                "capacity": [CAPACITY_BLOCKS, 0],
-            },
-            load_source=load.copy,
-        )
-        for worker, load in loads.items()
-    ]
-    try:
-        for publisher in publishers:
-            await publisher.start()
-        for publisher in publishers:
-            worker = publisher.worker_id
-            for event in events.get(worker, []):
-                published[worker].append(event)
-                publisher.publish([event])
-            await asyncio.sleep(0)  # let the flushers start on what is buffered
-        await asyncio.gather(*(p.flush(PUBLISH_TIMEOUT_S) for p in publishers))
-        ready.set()
-        await asyncio.to_thread(_wait_for_stop, stop, parent_pid)
-    finally:
-        await asyncio.gather(*(p.aclose() for p in publishers), return_exceptions=True)
-        await redis.aclose()
-
-
-def _wait_for_stop(stop: EventType, parent_pid: int) -> None:
-    """Until the benchmark says stop, or dies without saying it (then this process goes too)."""
-    while not stop.wait(1.0) and os.getppid() == parent_pid:
-        pass
-
-
-@contextlib.contextmanager
-def _publishers(
-    redis_url: str, stream: list[tuple[str, bytes]], loads: dict[str, dict[str, int]]
-) -> Iterator[multiprocessing.process.BaseProcess]:
-    """The publishers' process, once everything is published; stopped (unregistering) at exit."""
-    context = multiprocessing.get_context("spawn")
-    ready, stop = context.Event(), context.Event()
-    proc = context.Process(
-        target=_publisher_main,
-        args=(redis_url, stream, loads, ready, stop),
-        name="kvmesh-bench-publishers",
-        daemon=True,
-    )
-    proc.start()
-    try:
-        deadline = time.monotonic() + PUBLISH_TIMEOUT_S
-        while not ready.wait(0.1):
-            if not proc.is_alive():
-                raise RuntimeError(f"the publishers' process exited with {proc.exitcode}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the events were not published within {PUBLISH_TIMEOUT_S} s")
-        yield proc
-    finally:
-        stop.set()
-        proc.join(STOP_TIMEOUT_S)
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
 
 
 # -- the router (a subprocess) -------------------------------------------------------------------
@@ -362,6 +224,8 @@ class Outcome:
     send_lag_ms: list[float] = field(default_factory=list)
     client_cpu_s: float = 0.0
     router_cpu_s: float | None = None
+    router_idle_cpu_s: float | None = None  # over idle_s before the timed part
+    idle_s: float = 0.0
     redis_cpu_s: float | None = None
     publishers_cpu_s: float | None = None
     router_processes: int = 1  # those that serve: one, or the replicas under a parent
@@ -388,10 +252,16 @@ async def _drive(
         for i in range(NUM_WARMUP):
             await clients[0].post(bodies[i % len(bodies)])
 
+        clock = time.perf_counter
+        # The router's idle rate: its timers and Redis reads, with nothing to route.
+        idle_cpu, idle_start = tree_cpu_seconds(pids["router"]), clock()
+        await asyncio.sleep(min(IDLE_S, duration_s))
+        outcome.router_idle_cpu_s = _delta(tree_cpu_seconds(pids["router"]), idle_cpu)
+        outcome.idle_s = clock() - idle_start
+
         idle: asyncio.Queue[KeepAliveConnection] = asyncio.Queue()
         for client in clients:
             idle.put_nowait(client)
-        clock = time.perf_counter
         last_answer = 0.0
 
         async def one(k: int, due: float) -> None:
@@ -458,14 +328,14 @@ def _serve_and_drive(
     port = free_port()
     base_url = f"http://{HOST}:{port}"
     with (
-        _publishers(server.url, stream, loads) as publishers,
+        publishers(server.url, stream, loads) as fleet,
         tempfile.TemporaryFile() as log,
         _router(server.url, port, log) as router,
     ):
         started = time.monotonic()
         stats = _wait_caught_up(base_url, router, log, expected)
         catch_up_s = time.monotonic() - started
-        pids = {"router": router.pid, "redis": server.pid, "publishers": publishers.pid}
+        pids = {"router": router.pid, "redis": server.pid, "publishers": fleet.pid}
         load_average = os.getloadavg()[0]
         gc.collect()
         gc.freeze()  # the bodies are input: the client's collector need not walk them
@@ -530,6 +400,14 @@ def measure_http(
         "router_processes": outcome.router_processes,
         "router_cpu_us_per_request": (
             round(outcome.router_cpu_s / ok * 1e6, 1) if outcome.router_cpu_s and ok else None
+        ),
+        "router_idle_cpu_ms_per_s": (
+            round(outcome.router_idle_cpu_s / outcome.idle_s * 1e3, 1)
+            if outcome.router_idle_cpu_s is not None and outcome.idle_s > 0
+            else None
+        ),
+        "router_busy_cpu_us_per_request": busy_us_per_request(
+            outcome.router_cpu_s, outcome.seconds, ok, outcome.router_idle_cpu_s, outcome.idle_s
         ),
         "client_cpu_s": round(outcome.client_cpu_s, 3),
         "redis_cpu_s": outcome.redis_cpu_s,

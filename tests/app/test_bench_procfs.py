@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from app.bench.procfs import descendants, replicas, tree_cpu_seconds
+from app.bench.procfs import busy_us_per_request, descendants, replicas, tree_cpu_seconds
 
 # A parent that spawns two children (as `kvmesh router --processes 2` does), which each burn
 # 0.3 s of CPU and then wait to be killed.
@@ -68,3 +68,13 @@ def test_a_parent_with_spawned_replicas(tmp_path: Path) -> None:
 def test_no_process() -> None:
     assert tree_cpu_seconds(None) is None
     assert replicas(None) == 1
+
+
+def test_busy_cpu_takes_off_the_idle_rate_for_as_long() -> None:
+    # 0.5 s of CPU over 2 s for 1,000 requests; idle, 0.03 s over 3 s (10 ms/s): 0.02 s of it.
+    assert busy_us_per_request(0.5, 2.0, 1_000, 0.03, 3.0) == 480.0
+    assert busy_us_per_request(0.01, 2.0, 10, 0.03, 3.0) == 0.0  # never below nothing
+    assert busy_us_per_request(None, 2.0, 10, 0.03, 3.0) is None  # no /proc
+    assert busy_us_per_request(0.5, 2.0, 1_000, None, 3.0) is None
+    assert busy_us_per_request(0.5, 2.0, 0, 0.03, 3.0) is None  # no request answered
+    assert busy_us_per_request(0.5, 2.0, 1_000, 0.03, 0.0) is None

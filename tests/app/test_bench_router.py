@@ -4,15 +4,9 @@ from transformers import AutoTokenizer
 
 from app.bench import BENCHMARKS, load_benchmark
 from app.bench.chat import DEMO_MODEL, conversation
+from app.bench.fleet import CAPACITY_BLOCKS, events_per_worker, worker_loads
 from app.bench.index import NUM_WORKERS, REQUEST_TOKENS, make_workload
-from app.bench.router import (
-    CAPACITY_BLOCKS,
-    DURATION_QUICK_S,
-    RATE_QUICK,
-    _events_per_worker,
-    run,
-    worker_loads,
-)
+from app.bench.router import DURATION_QUICK_S, RATE_QUICK, run
 from app.chat import ModelTokenizer
 from cache import StoredData
 from events.codec import decode_events
@@ -56,7 +50,7 @@ def test_every_worker_reports_a_load_within_its_capacity() -> None:
 
 def test_events_are_renumbered_per_worker_without_gaps() -> None:
     workload = make_workload(200)
-    per_worker = _events_per_worker(workload.entries)
+    per_worker = events_per_worker(workload.entries)
     for events in per_worker.values():
         assert [e.event_id for e in events] == list(range(len(events)))
     original = [e for _, blob in workload.entries for e in decode_events(blob)]
@@ -88,6 +82,10 @@ def test_quick_run_from_the_command_line() -> None:
     # The router's own index and loads match the in-process core's: the same choices.
     assert report["http_same_choice"] == 1.0
     assert report["router_cpu_s"] is None or report["router_cpu_s"] > 0
+    if report["router_cpu_s"] is not None:  # Linux: the idle window is read from /proc too
+        assert report["router_idle_cpu_ms_per_s"] >= 0
+        busy = report["router_busy_cpu_us_per_request"]
+        assert 0 <= busy <= report["router_cpu_us_per_request"]
 
     # The chat case: a conversation of at least 4,096 tokens as transformers renders it.
     reference = AutoTokenizer.from_pretrained(str(DEMO_MODEL))
