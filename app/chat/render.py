@@ -26,12 +26,12 @@ transformers raises; the caller maps it.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from itertools import chain
 from typing import Any
-
-from transformers.utils import chat_template_utils
 
 __all__ = ["ChatRenderer"]
 
@@ -39,17 +39,36 @@ __all__ = ["ChatRenderer"]
 # name raises AttributeError, and the sandbox then returns ``d[name]`` (or undefined).
 _DICT_ATTRIBUTES = frozenset(dir(dict))
 
-# transformers' own conversions (private helpers: the versions are pinned by constraints.txt and
-# tests/chat/test_render.py compares every template's output with apply_chat_template's)
-_to_dicts: Callable[[Any], Any] = chat_template_utils._message_objects_to_dicts
-_plain: Callable[[Any], Any] = chat_template_utils._plain_template_data
-_alias_reasoning: Callable[[list[dict[str, Any]]], list[dict[str, Any]]] = (
-    chat_template_utils._alias_reasoning_fields
-)
-_compile: Callable[[str], Any] = chat_template_utils._compile_jinja_template
-# the names transformers aliases a reasoning field under: with none of them in a chat,
-# ``_alias_reasoning`` changes nothing, and is skipped
-_REASONING_FIELDS = frozenset(chat_template_utils._REASONING_FIELDS)
+
+@dataclass(frozen=True, slots=True)
+class _Helpers:
+    """transformers' own conversions (private helpers: the versions are pinned by
+    constraints.txt and tests/chat/test_render.py compares every template's output with
+    apply_chat_template's)."""
+
+    to_dicts: Callable[[Any], Any]
+    plain: Callable[[Any], Any]
+    alias_reasoning: Callable[[list[dict[str, Any]]], list[dict[str, Any]]]
+    compile: Callable[[str], Any]
+    # the names transformers aliases a reasoning field under: with none of them in a chat,
+    # ``alias_reasoning`` changes nothing, and is skipped
+    reasoning_fields: frozenset[str]
+
+
+@functools.cache
+def _helpers() -> _Helpers:
+    """Imported on first use: importing transformers takes 0.4-0.7 s, which every ``kvmesh``
+    command and every service serving no chat model would otherwise pay at start (a renderer
+    exists only once a tokenizer was loaded, by transformers)."""
+    from transformers.utils import chat_template_utils as utils
+
+    return _Helpers(
+        to_dicts=utils._message_objects_to_dicts,
+        plain=utils._plain_template_data,
+        alias_reasoning=utils._alias_reasoning_fields,
+        compile=utils._compile_jinja_template,
+        reasoning_fields=frozenset(utils._REASONING_FIELDS),
+    )
 
 
 def _dict_first_getattr(environment: Any) -> Callable[[Any, str], Any]:
@@ -68,7 +87,7 @@ def _dict_first_getattr(environment: Any) -> Callable[[Any, str], Any]:
     return getattr_
 
 
-def _template_message(message: Mapping[Any, Any]) -> dict[Any, Any]:
+def _template_message(message: Mapping[Any, Any], helpers: _Helpers) -> dict[Any, Any]:
     """One message as ``render_jinja_template`` hands it to the template: keys whose value is
     None dropped, everything else plain data."""
     out: dict[Any, Any] = {}
@@ -76,8 +95,8 @@ def _template_message(message: Mapping[Any, Any]) -> dict[Any, Any]:
         if value is None:
             continue
         if type(value) is not str:
-            value = _plain(_to_dicts(value))
-        out[key if type(key) is str else _plain(key)] = value
+            value = helpers.plain(helpers.to_dicts(value))
+        out[key if type(key) is str else helpers.plain(key)] = value
     return out
 
 
@@ -86,6 +105,7 @@ class ChatRenderer:
 
     def __init__(self, hf: Any) -> None:
         self._hf = hf
+        self._helpers = _helpers()
         self._fast: dict[str, Any] = {}  # template source -> the template in the fast overlay
         self._own_parameters = frozenset(inspect.signature(hf.apply_chat_template).parameters)
 
@@ -110,13 +130,14 @@ class ChatRenderer:
         template = self._fast.get(source)
         if template is None:
             template = self._fast[source] = self._compile_fast(source)
-        chat = [_template_message(m) for m in messages]
-        if not _REASONING_FIELDS.isdisjoint(chain.from_iterable(chat)):  # any message's keys
-            chat = _alias_reasoning(chat)
-        variables = _plain({**self._hf.special_tokens_map, **template_kwargs})
+        helpers = self._helpers
+        chat = [_template_message(m, helpers) for m in messages]
+        if not helpers.reasoning_fields.isdisjoint(chain.from_iterable(chat)):  # message keys
+            chat = helpers.alias_reasoning(chat)
+        variables = helpers.plain({**self._hf.special_tokens_map, **template_kwargs})
         text: str = template.render(
             messages=chat,
-            tools=_plain(tool_list),
+            tools=helpers.plain(tool_list),
             documents=None,
             add_generation_prompt=add_generation_prompt,
             **variables,
@@ -144,6 +165,6 @@ class ChatRenderer:
 
     @staticmethod
     def _compile_fast(source: str) -> Any:
-        environment = _compile(source).environment.overlay()
+        environment = _helpers().compile(source).environment.overlay()
         environment.getattr = _dict_first_getattr(environment)
         return environment.from_string(source)
