@@ -390,12 +390,18 @@ def _worker(redis_url: str, port: int, log: IO[bytes]) -> Iterator[subprocess.Po
 
 
 @contextlib.contextmanager
-def kvmesh_process(args: list[str], log: IO[bytes]) -> Iterator[subprocess.Popen[bytes]]:
-    """``kvmesh ARGS`` logging to ``log`` at WARNING; SIGTERM (then SIGKILL) at the end."""
+def kvmesh_process(
+    args: list[str], log: IO[bytes], tree: Path | None = None
+) -> Iterator[subprocess.Popen[bytes]]:
+    """``kvmesh ARGS`` logging to ``log`` at WARNING; SIGTERM (then SIGKILL) at the end.
+    ``tree``: another kvmesh checkout's, run there (``python -m app``) by this Python."""
     script = Path(sys.executable).parent / "kvmesh"
-    command = [str(script)] if script.exists() else [sys.executable, "-m", "app"]
+    use_script = script.exists() and tree is None
+    command = [str(script)] if use_script else [sys.executable, "-m", "app"]
     env = {**os.environ, "KVMESH_LOG_LEVEL": "WARNING"}
-    proc = subprocess.Popen([*command, *args], stdout=log, stderr=subprocess.STDOUT, env=env)
+    proc = subprocess.Popen(
+        [*command, *args], cwd=tree, stdout=log, stderr=subprocess.STDOUT, env=env
+    )
     try:
         yield proc
     finally:

@@ -1,0 +1,213 @@
+"""Two kvmesh trees' routers compared interleaved on proxied completions: the "B/A" figures of
+``docs/benchmarks.md``.
+
+``python tools/ab.py A_TREE B_TREE [--rounds 6] [--requests 2000] [--json]``
+
+Plain pairs of ``kvmesh bench proxy`` runs cannot see a few per cent on a small shared host:
+its neighbours move a run by more than that. Here both routers run at once and take turns, so
+both see the same host, second by second:
+
+* one private Redis (``EmbeddedRedis``) and one ``kvmesh worker`` from this checkout, the sim
+  back-end at zero model time with ``kvmesh bench proxy``'s options;
+* every round, a fresh router from each tree (``python -m app router`` run in the tree, so its
+  ``app/`` and ``cache/`` are imported, with ``--no-share-decisions``: the two are not replicas
+  of one router), both ready and routing to the worker before anything is timed;
+* ``--requests`` non-streamed ``/v1/completions`` of 4,096 token ids (``max_tokens`` 1, the
+  proxy bench's 64 prompts, all cached in the worker by the warm-up), one at a time, request
+  *i* to one router and *i + 1* to the other, on one keep-alive connection each; every other
+  round starts with B instead of A;
+* each router's CPU over the round from ``/proc``, per request it answered; the round's ratio
+  B/A. Reported: every round, and the mean ratio with its 95 % t-interval over the rounds.
+
+Each router's CPU includes its background work, consuming the worker's KV events included
+(of both routers' requests): only the ratio means anything, not either figure alone.
+
+A tree is a kvmesh checkout whose ``cache/`` holds a compiled build for this Python (run
+``make native`` in it, or copy the ``.so`` files and ``cache/native.digest`` of the same
+sources; a tree without them runs the plain sources, and measures those). For the commit
+before the last one: ``git worktree add /tmp/before HEAD~1``, build there, then
+``python tools/ab.py /tmp/before .``. The Python running this script runs both trees, so
+both use this checkout's installed dependencies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import statistics
+import sys
+import tempfile
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import uvloop
+
+from app.bench.http_client import KeepAliveConnection
+from app.bench.procfs import tree_cpu_seconds
+from app.bench.proxy import HOST, NUM_PROMPTS, PROXY_WORKER_OPTIONS, _wait_ready, make_bodies
+from app.bench.worker import kvmesh_process, worker_flags
+from app.core.embedded_redis import EmbeddedRedis
+from app.core.net import free_port
+
+__all__ = ["Round", "main", "measure", "summarize"]
+
+READY_TIMEOUT_S = 60.0
+STOP_TIMEOUT_S = 15.0
+NUM_WARMUP = 100  # each router, after every prompt once through A
+WORKER_ID = "ab-worker"
+# Student's t at 97.5 % for 1..10 degrees of freedom; beyond, the normal's 1.96 (within 14 %).
+_T975 = (12.71, 4.30, 3.18, 2.78, 2.57, 2.45, 2.36, 2.31, 2.26, 2.23)
+
+
+@dataclass(slots=True)
+class Round:
+    """One round: who went first, and each router's requests and CPU µs per request."""
+
+    b_first: bool
+    a_requests: int
+    b_requests: int
+    a_cpu_us: float
+    b_cpu_us: float
+
+    @property
+    def ratio(self) -> float:
+        return self.b_cpu_us / self.a_cpu_us
+
+
+def summarize(rounds: Sequence[Round]) -> dict[str, Any]:
+    """The rounds, and the mean B/A ratio with its 95 % t-interval (none for one round)."""
+    ratios = [r.ratio for r in rounds]
+    mean = statistics.fmean(ratios)
+    out: dict[str, Any] = {
+        "rounds": [{**asdict(r), "ratio": round(r.ratio, 4)} for r in rounds],
+        "ratio_mean": round(mean, 4),
+        "b_lower_in": sum(ratio < 1 for ratio in ratios),
+    }
+    if len(ratios) > 1:
+        df = len(ratios) - 1
+        half = (_T975[df - 1] if df <= len(_T975) else 1.96) * statistics.stdev(ratios)
+        half /= len(ratios) ** 0.5
+        out["ratio_interval"] = [round(mean - half, 4), round(mean + half, 4)]
+    return out
+
+
+# -- one round -----------------------------------------------------------------------------------
+
+
+async def _interleave(
+    ports: dict[str, int], pids: dict[str, int], bodies: list[bytes], requests: int, b_first: bool
+) -> Round:
+    order = ("b", "a") if b_first else ("a", "b")
+    clients = {side: KeepAliveConnection(HOST, ports[side], "/v1/completions") for side in order}
+    try:
+        for body in bodies:  # every prompt cached in the worker; both connected
+            await clients["a"].post(body)
+        for i in range(NUM_WARMUP):
+            for side in order:
+                await clients[side].post(bodies[i % len(bodies)])
+        before = {side: tree_cpu_seconds(pids[side]) or 0.0 for side in order}
+        counts = dict.fromkeys(order, 0)
+        for i in range(requests):
+            side = order[i % 2]
+            answer = await clients[side].post(bodies[i % len(bodies)])
+            if answer["kvmesh"]["worker_id"] != WORKER_ID:
+                raise RuntimeError(f"router {side} answered from {answer['kvmesh']['worker_id']}")
+            counts[side] += 1
+        cpu = {side: (tree_cpu_seconds(pids[side]) or 0.0) - before[side] for side in order}
+    finally:
+        for client in clients.values():
+            await client.aclose()
+    if not cpu["a"] or not cpu["b"]:  # /proc counts in 10 ms ticks
+        raise RuntimeError(f"a router used no CPU that /proc could see over {requests} requests")
+    return Round(
+        b_first=b_first,
+        a_requests=counts["a"],
+        b_requests=counts["b"],
+        a_cpu_us=round(cpu["a"] / counts["a"] * 1e6, 1),
+        b_cpu_us=round(cpu["b"] / counts["b"] * 1e6, 1),
+    )
+
+
+def _router_args(redis_url: str, port: int) -> list[str]:
+    # not replicas of one router: neither publishes its flights to the other
+    flags = ["--host", HOST, "--port", str(port), "--redis-url", redis_url]
+    return ["router", *flags, "--no-share-decisions"]
+
+
+def measure(trees: dict[str, Path], rounds: int, requests: int) -> list[Round]:
+    """``rounds`` rounds of ``requests`` requests, alternating between the two trees' routers."""
+    bodies = make_bodies(NUM_PROMPTS)
+    options = {**PROXY_WORKER_OPTIONS, "worker_id": WORKER_ID, "host": HOST}
+    out: list[Round] = []
+    with EmbeddedRedis() as server, tempfile.TemporaryFile() as log:
+        options |= {"port": free_port(), "redis_url": server.url}
+        with kvmesh_process(["worker", *worker_flags(options)], log) as worker:
+            _wait_ready(f"http://{HOST}:{options['port']}", {"worker": worker}, log)
+            for n in range(rounds):
+                ports = {side: free_port() for side in trees}
+                with contextlib.ExitStack() as stack:
+                    procs = {
+                        side: stack.enter_context(
+                            kvmesh_process(_router_args(server.url, ports[side]), log, tree)
+                        )
+                        for side, tree in trees.items()
+                    }
+                    for port in ports.values():
+                        _wait_ready(f"http://{HOST}:{port}", procs, log, up=WORKER_ID)
+                    pids = {side: proc.pid for side, proc in procs.items()}
+                    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+                        done = runner.run(_interleave(ports, pids, bodies, requests, n % 2 == 1))
+                out.append(done)
+                print(
+                    f"round {n + 1}/{rounds}: A {done.a_cpu_us:.1f} µs, B {done.b_cpu_us:.1f} µs,"
+                    f" B/A {done.ratio:.3f}",
+                    file=sys.stderr,
+                )
+    return out
+
+
+def _tree(value: str) -> Path:
+    path = Path(value).resolve()
+    if not (path / "app" / "__main__.py").is_file():
+        raise argparse.ArgumentTypeError(f"{value}: not a kvmesh checkout (no app/__main__.py)")
+    return path
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="tools/ab.py", description=__doc__.split("\n\n")[0] if __doc__ else None
+    )
+    parser.add_argument("a", type=_tree, help="the tree measured first (before)")
+    parser.add_argument("b", type=_tree, help="the tree compared with it (after)")
+    parser.add_argument("--rounds", type=int, default=6, help="rounds (default: 6)")
+    parser.add_argument(
+        "--requests", type=int, default=2_000, help="requests a round, both routers (2,000)"
+    )
+    parser.add_argument("--json", action="store_true", help="print the result as one JSON line")
+    args = parser.parse_args(argv)
+    if args.rounds < 1 or args.requests < 2:
+        parser.error("--rounds must be at least 1 and --requests at least 2")
+    result = {
+        "a": str(args.a),
+        "b": str(args.b),
+        "requests_per_round": args.requests,
+        **summarize(measure({"a": args.a, "b": args.b}, args.rounds, args.requests)),
+    }
+    if args.json:
+        print(json.dumps(result))
+    else:
+        interval = result.get("ratio_interval")
+        shown = f" [{interval[0]:.3f}, {interval[1]:.3f}]" if interval else ""
+        print(
+            f"B/A {result['ratio_mean']:.3f}{shown}, "
+            f"B lower in {result['b_lower_in']} of {args.rounds} rounds"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
