@@ -7,8 +7,9 @@ Plain pairs of ``kvmesh bench proxy`` runs cannot see a few per cent on a small 
 its neighbours move a run by more than that. Here both routers run at once and take turns, so
 both see the same host, second by second:
 
-* one private Redis (``EmbeddedRedis``) and one ``kvmesh worker`` from this checkout, the sim
-  back-end at zero model time with ``kvmesh bench proxy``'s options;
+* one private Redis (``EmbeddedRedis``) and one ``kvmesh worker``, both from the checkout this
+  Python's kvmesh is installed from, the sim back-end at zero model time with ``kvmesh bench
+  proxy``'s options;
 * every round, a fresh router from each tree (``python -m app router`` run in the tree, so its
   ``app/`` and ``cache/`` are imported, with ``--no-share-decisions``: the two are not replicas
   of one router), both ready and routing to the worker before anything is timed;
@@ -22,12 +23,18 @@ both see the same host, second by second:
 Each router's CPU includes its background work, consuming the worker's KV events included
 (of both routers' requests): only the ratio means anything, not either figure alone.
 
-A tree is a kvmesh checkout whose ``cache/`` holds a compiled build for this Python (run
-``make native`` in it, or copy the ``.so`` files and ``cache/native.digest`` of the same
-sources; a tree without them runs the plain sources, and measures those). For the commit
-before the last one: ``git worktree add /tmp/before HEAD~1``, build there, then
-``python tools/ab.py /tmp/before .``. The Python running this script runs both trees, so
-both use this checkout's installed dependencies.
+A tree is a kvmesh checkout whose ``cache/`` holds a compiled build of its own sources for this
+Python; a tree without one runs its plain sources, and measures those (said on stderr, and as
+``a_compiled``/``b_compiled``). Build one with this checkout's Python, not with ``make`` there
+(which would make the tree a virtual environment of its own). For the commit before the last
+one, from this checkout's root::
+
+    git worktree add /tmp/before HEAD~1
+    (cd /tmp/before && "$OLDPWD/.venv/bin/python" tools/build_native.py)
+    .venv/bin/python tools/ab.py /tmp/before .
+    git worktree remove --force /tmp/before  # --force: the build is untracked
+
+The Python running this script runs both trees, with its installed dependencies.
 """
 
 from __future__ import annotations
@@ -52,15 +59,18 @@ from app.bench.proxy import HOST, NUM_PROMPTS, PROXY_WORKER_OPTIONS, _wait_ready
 from app.bench.worker import kvmesh_process, worker_flags
 from app.core.embedded_redis import EmbeddedRedis
 from app.core.net import free_port
+from cache._native import built
 
 __all__ = ["Round", "main", "measure", "summarize"]
 
-READY_TIMEOUT_S = 60.0
-STOP_TIMEOUT_S = 15.0
 NUM_WARMUP = 100  # each router, after every prompt once through A
 WORKER_ID = "ab-worker"
-# Student's t at 97.5 % for 1..10 degrees of freedom; beyond, the normal's 1.96 (within 14 %).
-_T975 = (12.71, 4.30, 3.18, 2.78, 2.57, 2.45, 2.36, 2.31, 2.26, 2.23)
+# Student's t at 97.5 % for 1..30 degrees of freedom; beyond, the normal's 1.96 (2 % short at 31).
+_T975 = (
+    *(12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228),
+    *(2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086),
+    *(2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042),
+)
 
 
 @dataclass(slots=True)
@@ -104,7 +114,7 @@ async def _interleave(
     order = ("b", "a") if b_first else ("a", "b")
     clients = {side: KeepAliveConnection(HOST, ports[side], "/v1/completions") for side in order}
     try:
-        for body in bodies:  # every prompt cached in the worker; both connected
+        for body in bodies:  # every prompt cached in the worker before anything is counted
             await clients["a"].post(body)
         for i in range(NUM_WARMUP):
             for side in order:
@@ -159,8 +169,15 @@ def measure(trees: dict[str, Path], rounds: int, requests: int) -> list[Round]:
                     for port in ports.values():
                         _wait_ready(f"http://{HOST}:{port}", procs, log, up=WORKER_ID)
                     pids = {side: proc.pid for side, proc in procs.items()}
-                    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-                        done = runner.run(_interleave(ports, pids, bodies, requests, n % 2 == 1))
+                    try:
+                        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+                            done = runner.run(
+                                _interleave(ports, pids, bodies, requests, n % 2 == 1)
+                            )
+                    except Exception as exc:  # with what the services logged
+                        log.seek(0)
+                        tail = log.read()[-4_000:].decode(errors="replace")
+                        raise RuntimeError(f"round {n + 1} failed: {exc}\n{tail}") from exc
                 out.append(done)
                 print(
                     f"round {n + 1}/{rounds}: A {done.a_cpu_us:.1f} µs, B {done.b_cpu_us:.1f} µs,"
@@ -191,9 +208,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.requests < 2:
         parser.error("--rounds must be at least 1 and --requests at least 2")
+    compiled = {side: built(tree / "cache") for side, tree in (("a", args.a), ("b", args.b))}
+    for side, tree in (("a", args.a), ("b", args.b)):
+        if not compiled[side]:
+            print(
+                f"tools/ab.py: {tree} has no compiled build of its cache/: it runs the plain"
+                " sources",
+                file=sys.stderr,
+            )
     result = {
         "a": str(args.a),
         "b": str(args.b),
+        "a_compiled": compiled["a"],
+        "b_compiled": compiled["b"],
         "requests_per_round": args.requests,
         **summarize(measure({"a": args.a, "b": args.b}, args.rounds, args.requests)),
     }

@@ -78,7 +78,7 @@ def busy_us_per_request(
     """CPU µs per request of a service that spent ``cpu_s`` on ``requests`` in ``seconds``,
     less its idle rate (``idle_cpu_s`` over ``idle_s`` while it served nothing) for as long:
     what the requests cost it, without its timers and background reads. CPU times come in
-    10 ms ticks, so the idle rate of a 3 s window is good to about ±3 ms/s."""
+    10 ms ticks: the idle rate of an ``idle_s`` window is good to about ±10 ms / ``idle_s``."""
     if cpu_s is None or idle_cpu_s is None or not requests or idle_s <= 0:
         return None
     idle = idle_cpu_s / idle_s * seconds

@@ -21,11 +21,11 @@ workers into the router's view). A child process runs 16 ``EventPublisher``s, on
 (``app.bench.fleet``), which register the workers (URL, 16 tokens per block, capacity,
 heartbeat), publish their loads and every event of the stream (renumbered per worker from 0, as
 each worker's manager numbers its own) and stay alive, heartbeating, until the end. Then
-``kvmesh router`` starts; its own
-consumer builds its index from the streams. Not timed: waiting until ``/index/stats`` shows the
-same blocks and block-worker entries as the in-process index and ``/ready`` answers 200
-(``router_catch_up_s``), then warm-up (one request per client at once, which opens the
-connections, then ``NUM_WARMUP`` one after the other).
+``kvmesh router`` starts; its own consumer builds its index from the streams. Not timed:
+waiting until ``/index/stats`` shows the same blocks and block-worker entries as the in-process
+index and ``/ready`` answers 200 (``router_catch_up_s``), then warm-up (one request per client
+at once, which opens the connections, then ``NUM_WARMUP`` one after the other), then the idle
+window (below).
 
 Timed: ``POST /route`` with ``{"prompt_token_ids": [...]}`` (bodies serialised beforehand with
 orjson), open loop: request ``i`` is due at ``start + i / rate`` whatever the answers before
@@ -99,7 +99,6 @@ HOST = "127.0.0.1"
 CATCH_UP_TIMEOUT_S = 180.0
 CATCH_UP_POLL_S = 0.25
 REQUEST_TIMEOUT_S = 10.0
-STOP_TIMEOUT_S = 15.0
 
 
 def make_core(index: PrefixIndex, loads: dict[str, dict[str, int]]) -> RouterCore:

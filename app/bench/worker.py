@@ -81,6 +81,7 @@ import uvloop
 from app.bench import bench_redis
 from app.bench.http_client import KeepAliveConnection
 from app.bench.manager import PREFIX_TOKENS, SEED, TOKENS_PER_REQUEST, VOCAB_SIZE, make_prompts
+from app.core.embedded_redis import death_signal_preexec
 from app.core.net import free_port
 from cache import KVCacheManager, LlmRequest, RequestState
 
@@ -393,14 +394,20 @@ def _worker(redis_url: str, port: int, log: IO[bytes]) -> Iterator[subprocess.Po
 def kvmesh_process(
     args: list[str], log: IO[bytes], tree: Path | None = None
 ) -> Iterator[subprocess.Popen[bytes]]:
-    """``kvmesh ARGS`` logging to ``log`` at WARNING; SIGTERM (then SIGKILL) at the end.
+    """``kvmesh ARGS`` logging to ``log`` at WARNING; SIGTERM (then SIGKILL) at the end, and
+    SIGTERM from Linux if this process dies first (killed, it runs no ``finally``).
     ``tree``: another kvmesh checkout's, run there (``python -m app``) by this Python."""
     script = Path(sys.executable).parent / "kvmesh"
     use_script = script.exists() and tree is None
     command = [str(script)] if use_script else [sys.executable, "-m", "app"]
     env = {**os.environ, "KVMESH_LOG_LEVEL": "WARNING"}
     proc = subprocess.Popen(
-        [*command, *args], cwd=tree, stdout=log, stderr=subprocess.STDOUT, env=env
+        [*command, *args],
+        cwd=tree,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+        preexec_fn=death_signal_preexec(),
     )
     try:
         yield proc

@@ -57,7 +57,7 @@ class _Helpers:
 
 @functools.cache
 def _helpers() -> _Helpers:
-    """Imported on first use: importing transformers takes 0.4-0.7 s, which every ``kvmesh``
+    """Imported on first use: importing transformers takes 0.6-0.9 s, which every ``kvmesh``
     command and every service serving no chat model would otherwise pay at start (a renderer
     exists only once a tokenizer was loaded, by transformers)."""
     from transformers.utils import chat_template_utils as utils

@@ -199,11 +199,11 @@ def test_a_dict_method_that_changes_the_message_is_refused_as_by_transformers(
 
 
 def test_services_and_the_command_line_start_without_importing_transformers() -> None:
-    """transformers (0.4-0.7 s to import) comes with the first tokenizer loaded, not before:
+    """transformers (0.6-0.9 s to import) comes with the first tokenizer loaded, not before:
     ``kvmesh --help`` and a worker or router serving no chat model never pay for it."""
     code = (
         "import sys, app.cli, app.router.app, app.worker.app, app.chat; "
         "print(sorted(m for m in sys.modules if m.split('.')[0] == 'transformers'))"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert done.stdout == "[]\n", done.stderr
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert (done.returncode, done.stdout) == (0, "[]\n"), done.stderr
