@@ -1,5 +1,6 @@
-"""``tools/ab.py``: its summary's arithmetic, exactly, and one small run end to end as a
-maintainer runs it (this checkout against itself: real Redis, worker and two routers)."""
+"""``tools/ab.py``: its summary's arithmetic, exactly, and one small run of each path end to end
+as a maintainer runs it (this checkout against itself: a real Redis, two real routers, and a
+real worker or the router bench's publishers)."""
 
 from __future__ import annotations
 
@@ -52,17 +53,14 @@ def test_a_directory_that_is_no_checkout_is_refused(
 
 
 @pytest.mark.timeout(300)
-def test_this_checkout_against_itself_from_the_command_line() -> None:
-    done = subprocess.run(
-        [sys.executable, "tools/ab.py", ".", ".", "--rounds", "2", "--requests", "200", "--json"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=280,
-    )
+@pytest.mark.parametrize(("path", "extra"), [("completions", []), ("route", ["--events", "1000"])])
+def test_this_checkout_against_itself_from_the_command_line(path: str, extra: list[str]) -> None:
+    command = [sys.executable, "tools/ab.py", ".", ".", "--path", path, "--rounds", "2"]
+    command += ["--requests", "200", "--json", *extra]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=280)
     assert done.returncode == 0, done.stderr[-4_000:]
     report = json.loads(done.stdout.splitlines()[-1])
-    assert report["a"] == report["b"] == str(ROOT)
+    assert (report["a"], report["b"], report["path"]) == (str(ROOT), str(ROOT), path)
     assert report["a_compiled"] == report["b_compiled"] == built(ROOT / "cache")
     assert report["requests_per_round"] == 200
     # Request i to one router and i + 1 to the other; B goes first in every other round.

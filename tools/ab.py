@@ -1,27 +1,30 @@
-"""Two kvmesh trees' routers compared interleaved on proxied completions: the "B/A" figures of
-``docs/benchmarks.md``.
+"""Two kvmesh trees' routers compared interleaved: the "B/A" figures of ``docs/benchmarks.md``.
 
-``python tools/ab.py A_TREE B_TREE [--rounds 6] [--requests 2000] [--json]``
+``python tools/ab.py A_TREE B_TREE [--path completions|route] [--rounds 6] [--requests 2000]``
 
-Plain pairs of ``kvmesh bench proxy`` runs cannot see a few per cent on a small shared host:
-its neighbours move a run by more than that. Here both routers run at once and take turns, so
-both see the same host, second by second:
+Plain pairs of ``kvmesh bench proxy`` or ``kvmesh bench router`` runs cannot see a few per
+cent on a small shared host: its neighbours move a run by more than that. Here both routers run
+at once and take turns, so both see the same host, second by second:
 
-* one private Redis (``EmbeddedRedis``) and one ``kvmesh worker``, both from the checkout this
-  Python's kvmesh is installed from, the sim back-end at zero model time with ``kvmesh bench
-  proxy``'s options;
+* one private Redis (``EmbeddedRedis``), and what the requests need, from the checkout this
+  Python's kvmesh is installed from: for ``--path completions`` (the default) one ``kvmesh
+  worker`` with the sim back-end at zero model time and ``kvmesh bench proxy``'s options; for
+  ``--path route`` ``kvmesh bench router``'s fleet (16 publishers, ``--events`` events);
 * every round, a fresh router from each tree (``python -m app router`` run in the tree, so its
   ``app/`` and ``cache/`` are imported, with ``--no-share-decisions``: the two are not replicas
-  of one router), both ready and routing to the worker before anything is timed;
-* ``--requests`` non-streamed ``/v1/completions`` of 4,096 token ids (``max_tokens`` 1, the
-  proxy bench's 64 prompts, all cached in the worker by the warm-up), one at a time, request
-  *i* to one router and *i + 1* to the other, on one keep-alive connection each; every other
-  round starts with B instead of A;
+  of one router), both ready (for ``route``: caught up with the whole index) before anything is
+  timed;
+* ``--requests`` requests, one at a time, request *i* to one router and *i + 1* to the other,
+  on one keep-alive connection each; every other round starts with B instead of A. For
+  ``completions``: non-streamed ``/v1/completions`` of 4,096 token ids (``max_tokens`` 1, the
+  proxy bench's 64 prompts, all cached in the worker first); for ``route``: ``POST /route``
+  with the router bench's 4,096-token prompts;
 * each router's CPU over the round from ``/proc``, per request it answered; the round's ratio
   B/A. Reported: every round, and the mean ratio with its 95 % t-interval over the rounds.
 
-Each router's CPU includes its background work, consuming the worker's KV events included
-(of both routers' requests): only the ratio means anything, not either figure alone.
+Each router's CPU includes its background work (its load reads; for ``completions`` the
+worker's KV events of both routers' requests): only the ratio means anything, not either figure
+alone.
 
 A tree is a kvmesh checkout whose ``cache/`` holds a compiled build of its own sources for this
 Python; a tree without one runs its plain sources, and measures those (said on stderr, and as
@@ -43,19 +46,26 @@ import argparse
 import asyncio
 import contextlib
 import json
+import multiprocessing
 import statistics
+import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
+import orjson
 import uvloop
 
+from app.bench.fleet import publishers, worker_loads
 from app.bench.http_client import KeepAliveConnection
+from app.bench.index import build_streaming, generate
 from app.bench.procfs import tree_cpu_seconds
 from app.bench.proxy import HOST, NUM_PROMPTS, PROXY_WORKER_OPTIONS, _wait_ready, make_bodies
+from app.bench.router import NUM_EVENTS, _wait_caught_up
+from app.bench.router import NUM_REQUESTS as NUM_ROUTE_PROMPTS
 from app.bench.worker import kvmesh_process, worker_flags
 from app.core.embedded_redis import EmbeddedRedis
 from app.core.net import free_port
@@ -105,16 +115,72 @@ def summarize(rounds: Sequence[Round]) -> dict[str, Any]:
     return out
 
 
+# -- what a comparison runs against ---------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Setup:
+    """Besides the two routers: the bodies, where they go, when a router is ready, what a
+    good answer is, and whether the bodies go once through A first (to cache them)."""
+
+    redis_url: str
+    path: str
+    bodies: list[bytes]
+    ready: Callable[[str, subprocess.Popen[bytes], IO[bytes]], object]
+    fault: Callable[[dict[str, Any]], str | None]  # what is wrong with an answer, if anything
+    prime: bool
+
+
+@contextlib.contextmanager
+def _completions(redis_url: str, log: IO[bytes]) -> Iterator[_Setup]:
+    """One sim worker; non-streamed completions of the proxy bench's prompts."""
+    options = {**PROXY_WORKER_OPTIONS, "worker_id": WORKER_ID, "host": HOST}
+    options |= {"port": free_port(), "redis_url": redis_url}
+    with kvmesh_process(["worker", *worker_flags(options)], log) as worker:
+        _wait_ready(f"http://{HOST}:{options['port']}", {"worker": worker}, log)
+
+        def ready(url: str, proc: subprocess.Popen[bytes], log: IO[bytes]) -> None:
+            _wait_ready(url, {"router": proc}, log, up=WORKER_ID)
+
+        def fault(answer: dict[str, Any]) -> str | None:
+            worker_id = answer["kvmesh"]["worker_id"]
+            return None if worker_id == WORKER_ID else f"answered by {worker_id!r}"
+
+        bodies = make_bodies(NUM_PROMPTS)
+        yield _Setup(redis_url, "/v1/completions", bodies, ready, fault, prime=True)
+
+
+@contextlib.contextmanager
+def _route(redis_url: str, num_events: int) -> Iterator[_Setup]:
+    """``kvmesh bench router``'s fleet (16 publishers, ``num_events`` events) and prompts."""
+    with multiprocessing.get_context("spawn").Pool(1) as pool:  # as the bench: a clean heap
+        stream, _, prompts = pool.apply(generate, (num_events, NUM_ROUTE_PROMPTS))
+    stats = build_streaming(stream)[0].stats()
+    expected = {key: stats[key] for key in ("workers", "blocks", "entries")}
+    loads = worker_loads()
+    with publishers(redis_url, stream, loads):
+
+        def ready(url: str, proc: subprocess.Popen[bytes], log: IO[bytes]) -> None:
+            _wait_caught_up(url, proc, log, expected)
+
+        def fault(answer: dict[str, Any]) -> str | None:
+            return None if answer.get("worker") in loads else f"chose {answer.get('worker')!r}"
+
+        bodies = [orjson.dumps({"prompt_token_ids": tokens}) for tokens in prompts.tolist()]
+        yield _Setup(redis_url, "/route", bodies, ready, fault, prime=False)
+
+
 # -- one round -----------------------------------------------------------------------------------
 
 
 async def _interleave(
-    ports: dict[str, int], pids: dict[str, int], bodies: list[bytes], requests: int, b_first: bool
+    setup: _Setup, ports: dict[str, int], pids: dict[str, int], requests: int, b_first: bool
 ) -> Round:
     order = ("b", "a") if b_first else ("a", "b")
-    clients = {side: KeepAliveConnection(HOST, ports[side], "/v1/completions") for side in order}
+    bodies = setup.bodies
+    clients = {side: KeepAliveConnection(HOST, ports[side], setup.path) for side in order}
     try:
-        for body in bodies:  # every prompt cached in the worker before anything is counted
+        for body in bodies if setup.prime else ():  # every prompt cached in the worker
             await clients["a"].post(body)
         for i in range(NUM_WARMUP):
             for side in order:
@@ -123,9 +189,9 @@ async def _interleave(
         counts = dict.fromkeys(order, 0)
         for i in range(requests):
             side = order[i % 2]
-            answer = await clients[side].post(bodies[i % len(bodies)])
-            if answer["kvmesh"]["worker_id"] != WORKER_ID:
-                raise RuntimeError(f"router {side} answered from {answer['kvmesh']['worker_id']}")
+            fault = setup.fault(await clients[side].post(bodies[i % len(bodies)]))
+            if fault is not None:
+                raise RuntimeError(f"router {side.upper()} {fault}")
             counts[side] += 1
         cpu = {side: (tree_cpu_seconds(pids[side]) or 0.0) - before[side] for side in order}
     finally:
@@ -148,43 +214,54 @@ def _router_args(redis_url: str, port: int) -> list[str]:
     return ["router", *flags, "--no-share-decisions"]
 
 
-def measure(trees: dict[str, Path], rounds: int, requests: int) -> list[Round]:
-    """``rounds`` rounds of ``requests`` requests, alternating between the two trees' routers."""
-    bodies = make_bodies(NUM_PROMPTS)
-    options = {**PROXY_WORKER_OPTIONS, "worker_id": WORKER_ID, "host": HOST}
-    out: list[Round] = []
-    with EmbeddedRedis() as server, tempfile.TemporaryFile() as log:
-        options |= {"port": free_port(), "redis_url": server.url}
-        with kvmesh_process(["worker", *worker_flags(options)], log) as worker:
-            _wait_ready(f"http://{HOST}:{options['port']}", {"worker": worker}, log)
-            for n in range(rounds):
-                ports = {side: free_port() for side in trees}
-                with contextlib.ExitStack() as stack:
-                    procs = {
-                        side: stack.enter_context(
-                            kvmesh_process(_router_args(server.url, ports[side]), log, tree)
-                        )
-                        for side, tree in trees.items()
-                    }
-                    for port in ports.values():
-                        _wait_ready(f"http://{HOST}:{port}", procs, log, up=WORKER_ID)
-                    pids = {side: proc.pid for side, proc in procs.items()}
-                    try:
-                        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-                            done = runner.run(
-                                _interleave(ports, pids, bodies, requests, n % 2 == 1)
-                            )
-                    except Exception as exc:  # with what the services logged
-                        log.seek(0)
-                        tail = log.read()[-4_000:].decode(errors="replace")
-                        raise RuntimeError(f"round {n + 1} failed: {exc}\n{tail}") from exc
-                out.append(done)
-                print(
-                    f"round {n + 1}/{rounds}: A {done.a_cpu_us:.1f} µs, B {done.b_cpu_us:.1f} µs,"
-                    f" B/A {done.ratio:.3f}",
-                    file=sys.stderr,
+def _rounds(
+    setup: _Setup, trees: dict[str, Path], rounds: int, requests: int, log: IO[bytes]
+) -> Iterator[Round]:
+    """Each round: both routers started and ready, the interleaved requests, both stopped."""
+    for n in range(rounds):
+        ports = {side: free_port() for side in trees}
+        with contextlib.ExitStack() as stack:
+            procs = {
+                side: stack.enter_context(
+                    kvmesh_process(_router_args(setup.redis_url, ports[side]), log, tree)
                 )
-    return out
+                for side, tree in trees.items()
+            }
+            for side, proc in procs.items():
+                setup.ready(f"http://{HOST}:{ports[side]}", proc, log)
+            pids = {side: proc.pid for side, proc in procs.items()}
+            try:
+                with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+                    done = runner.run(_interleave(setup, ports, pids, requests, n % 2 == 1))
+            except Exception as exc:  # with what the services logged
+                log.seek(0)
+                tail = log.read()[-4_000:].decode(errors="replace")
+                raise RuntimeError(f"round {n + 1} failed: {exc}\n{tail}") from exc
+        print(
+            f"round {n + 1}/{rounds}: A {done.a_cpu_us:.1f} µs, B {done.b_cpu_us:.1f} µs,"
+            f" B/A {done.ratio:.3f}",
+            file=sys.stderr,
+        )
+        yield done
+
+
+def measure(
+    trees: dict[str, Path],
+    rounds: int,
+    requests: int,
+    path: str = "completions",
+    num_events: int = NUM_EVENTS,
+) -> list[Round]:
+    """``rounds`` rounds of ``requests`` requests to ``path`` (``completions`` or ``route``),
+    alternating between the two trees' routers."""
+    with EmbeddedRedis() as server, tempfile.TemporaryFile() as log:
+        made = (
+            _completions(server.url, log)
+            if path == "completions"
+            else _route(server.url, num_events)
+        )
+        with made as setup:
+            return list(_rounds(setup, trees, rounds, requests, log))
 
 
 def _tree(value: str) -> Path:
@@ -204,10 +281,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--requests", type=int, default=2_000, help="requests a round, both routers (2,000)"
     )
+    parser.add_argument(
+        "--path",
+        choices=("completions", "route"),
+        default="completions",
+        help="proxied /v1/completions to a sim worker, or /route over kvmesh bench router's "
+        "fleet (default: completions)",
+    )
+    parser.add_argument(
+        "--events",
+        type=int,
+        default=NUM_EVENTS,
+        help=f"events the fleet publishes, --path route (default: {NUM_EVENTS:,})",
+    )
     parser.add_argument("--json", action="store_true", help="print the result as one JSON line")
     args = parser.parse_args(argv)
-    if args.rounds < 1 or args.requests < 2:
-        parser.error("--rounds must be at least 1 and --requests at least 2")
+    if args.rounds < 1 or args.requests < 2 or args.events < 1:
+        parser.error("--rounds and --events must be at least 1, --requests at least 2")
     compiled = {side: built(tree / "cache") for side, tree in (("a", args.a), ("b", args.b))}
     for side, tree in (("a", args.a), ("b", args.b)):
         if not compiled[side]:
@@ -221,8 +311,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "b": str(args.b),
         "a_compiled": compiled["a"],
         "b_compiled": compiled["b"],
+        "path": args.path,
         "requests_per_round": args.requests,
-        **summarize(measure({"a": args.a, "b": args.b}, args.rounds, args.requests)),
+        **summarize(
+            measure({"a": args.a, "b": args.b}, args.rounds, args.requests, args.path, args.events)
+        ),
     }
     if args.json:
         print(json.dumps(result))
