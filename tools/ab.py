@@ -73,7 +73,7 @@ from cache._native import built
 
 __all__ = ["Round", "main", "measure", "summarize"]
 
-NUM_WARMUP = 100  # each router, after every prompt once through A
+NUM_WARMUP = 100  # requests to each router before a round is timed (after priming, if any)
 WORKER_ID = "ab-worker"
 # Student's t at 97.5 % for 1..30 degrees of freedom; beyond, the normal's 1.96 (2 % short at 31).
 _T975 = (
