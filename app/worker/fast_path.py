@@ -86,15 +86,21 @@ async def _cancel_on_disconnect(engine: Engine, job: Job, receive: Receive) -> N
             return
 
 
-async def await_job(engine: Engine, job: Job, receive: Receive) -> None:
-    """Wait for a submitted job to finish; a client that goes away (``receive`` says
-    ``http.disconnect``) cancels it, and so does this coroutine's own cancellation."""
-    watch = asyncio.get_running_loop().create_task(_cancel_on_disconnect(engine, job, receive))
+async def await_job(engine: Engine, job: Job, receive: Receive | None = None) -> None:
+    """Wait for a submitted job to finish; a client that goes away cancels it: ``receive``
+    says ``http.disconnect`` (an ASGI cycle), or this coroutine is cancelled (the server
+    protocol's fast route, whose connection was lost; a handler cancelled)."""
+    watch = (
+        None
+        if receive is None
+        else asyncio.get_running_loop().create_task(_cancel_on_disconnect(engine, job, receive))
+    )
     try:
         await job.done
     finally:
-        watch.cancel()
-        if not job.finished:  # this handler was cancelled
+        if watch is not None:
+            watch.cancel()
+        if not job.finished:  # this coroutine was cancelled
             engine.cancel(job.job_id)
 
 
@@ -238,11 +244,7 @@ async def _answer_later(runtime: WorkerRuntime, job: Job | Refusal) -> RawAnswer
     if not isinstance(job, Job):
         return _raw_refusal(job)
     created = int(time.time())
-    try:
-        await job.done
-    finally:
-        if not job.finished:
-            runtime.engine.cancel(job.job_id)
+    await await_job(runtime.engine, job)
     failed = failed_job(job)
     if failed is not None:
         return _raw_refusal(failed)
