@@ -60,8 +60,13 @@ fmt: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy $(CHECKED)
 
+# The suite on PYTEST_WORKERS processes (pytest-xdist), a test file to each at a time (a
+# module's fixtures run once): 5.5 min instead of 8.8 on a 2-core machine, where most tests
+# wait on the services they start. PYTEST_WORKERS=0 runs it in this process.
+PYTEST_WORKERS ?= 2
+
 pytest: $(STAMP)
-	$(BIN)/pytest
+	$(BIN)/pytest -n $(PYTEST_WORKERS) --dist loadfile
 
 # pytest last: its summary line is the last line of output (CI reads it).
 test: lint typecheck native pytest
