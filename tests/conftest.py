@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import urllib.parse
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -40,12 +41,24 @@ else:
     )
 
 
+def _own_database(url: str) -> str:
+    """``url`` for this test process: under pytest-xdist (``make test`` runs two), process gwN
+    uses the database N above the URL's, so that one's FLUSHDB never empties another's."""
+    process = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if not process.startswith("gw"):
+        return url
+    parts = urllib.parse.urlsplit(url)
+    database = int(parts.path.strip("/") or 0) + int(process[2:])
+    return urllib.parse.urlunsplit(parts._replace(path=f"/{database}"))
+
+
 @pytest.fixture(scope="session")
 def redis_url() -> Iterator[str]:
-    """URL of the session's Redis: ``$REDIS_URL``, else a private embedded server."""
+    """URL of the session's Redis: ``$REDIS_URL`` (a database of its own per test process),
+    else a private embedded server."""
     url = os.environ.get("REDIS_URL")
     if url:
-        yield url
+        yield _own_database(url)
         return
     with EmbeddedRedis() as server:
         yield server.url
@@ -53,10 +66,10 @@ def redis_url() -> Iterator[str]:
 
 @pytest.fixture
 def clean_redis_url(redis_url: str) -> str:
-    """The session's Redis, emptied (FLUSHALL) before the test."""
+    """The session's Redis database, emptied (FLUSHDB) before the test."""
     client = redis.Redis.from_url(redis_url)
     try:
-        client.flushall()
+        client.flushdb()
     finally:
         client.close()
     return redis_url

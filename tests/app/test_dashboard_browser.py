@@ -71,7 +71,9 @@ def _settled_count(page: Any, pause_button: Any) -> int:
         return int(re.sub(r"\D", "", frames.text_content() or "") or 0)
 
     last, since = -1, frame_count()
+    deadline = time.monotonic() + 30
     while frame_count() - since < 4:
+        assert time.monotonic() < deadline, "the page received no frame for 30 s"
         match = pattern.match(pause_button.text_content() or "")
         count = int(match.group(1)) if match else 0
         if count != last:
@@ -184,8 +186,12 @@ def test_dashboard_page_shows_the_cluster_live(
     pause.click()
     expect(pause).to_have_text("Resume")
     top_id = page.locator("tr.feed-row").first.get_attribute("data-id")
+    held = {worker: _blocks(base, worker) for worker in (holder, other)}
     fresh_worker = _complete(base, FRESH_PROMPT, "dash-c1")
     expect(page.locator('tr.decision-row[data-request-id="dash-c1"]')).to_have_count(1)
+    # The router has its stored event before its feed's count is read.
+    fresh_blocks = held[fresh_worker] + len(FRESH_PROMPT) // BLOCK
+    wait_for(lambda: _blocks(base, fresh_worker) >= fresh_blocks)
     num_new = _settled_count(page, pause)
     assert num_new >= 1
     assert page.locator("tr.feed-row").first.get_attribute("data-id") == top_id
