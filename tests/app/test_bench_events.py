@@ -79,7 +79,8 @@ def test_quick_run_prints_the_json_last(
     assert result["throughput_block_events"] > 4 * 40 * 128
     assert 0 < result["latency_p50_ms"] <= result["latency_p99_ms"] <= result["latency_max_ms"]
     assert result["latency_samples"] > 10
-    # At most one read per 5 ms: what the workers flush meanwhile comes in one reply.
+    # At most one read per 5 ms: what the workers flush meanwhile comes in one reply. (Not
+    # compared with the 0 ms reader's rate: that one reads as often as the CPU left to it
+    # allows, 101 a second in a suite run beside another test process.)
     assert result["reads_per_s_5ms"] <= 210  # 200, and one more
-    assert result["reads_per_s_5ms"] < 0.8 * result["reads_per_s_0ms"]
     assert result["reads_entries_0ms"] > 0 and result["reads_entries_5ms"] > 0
