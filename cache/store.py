@@ -47,14 +47,22 @@ def store_blocks(
     """
     tree = window.tree
     count = min(len(keys), len(blocks))
-    found = tree.match(keys, hashes, count, exact=True, parent=root).blocks
+    known = _last_stored(blocks, hashes, count) if root is None else -1
+    if known >= 0:
+        # The walk from the root would only retrace blocks[:known + 1]: go on below the last.
+        found = tree.match(keys, hashes, count, start=known + 1, parent=blocks[known], exact=True)
+        start = known + 1 + len(found.blocks)
+        parent = found.blocks[-1] if found.blocks else blocks[known]
+        matched = tree.chain(parent) if pin_blocks else []
+    else:
+        matched = tree.match(keys, hashes, count, exact=True, parent=root).blocks
+        start = len(matched)
+        parent = matched[-1] if matched else (tree.root if root is None else root)
     pinned: list[int] = []
     if pin_blocks:
-        for block in found:
+        for block in matched:
             pin_block(window, block)
             pinned.append(block.block_id)
-    parent = found[-1] if found else (tree.root if root is None else root)
-    start = len(found)
     stored = list(blocks[start:count])
     removed: list[int] = []
     tree.insert_chain(parent, stored, keys[start:], hashes[start:], removed)
@@ -68,6 +76,23 @@ def store_blocks(
     if stored:
         window.events.enqueue_stored(stored, window.window_size)
     return StoredBlocks(len(stored), pinned)
+
+
+def _last_stored(blocks: Sequence[KVCacheBlock], hashes: Sequence[BlockHash], count: int) -> int:
+    """The position of the sequence's last block among its first `count` that is in the tree
+    under the hash the request gives it, or -1.
+
+    A block in the tree has its ancestors there too (blocks leave it a subtree at a time), and
+    its chained hash names its keys and theirs: the walk of `store_blocks` from the root would
+    find this very chain up to it. The request's own blocks are most of what it stores again
+    (all of them when it leaves), so the walk's dictionary probe per block is saved. As in
+    `_store_new_block`, equal chained hashes are taken for equal chains."""
+    last = count - 1
+    while last >= 0 and blocks[last].prev_block is None:
+        last -= 1
+    if last >= 0 and blocks[last].hash != hashes[last]:
+        return -1
+    return last
 
 
 def _beam0_blocks(window: WindowBlockManager, sequence: GenerationRequest) -> list[KVCacheBlock]:

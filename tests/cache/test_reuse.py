@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from cache import BlockKey
-from tests.cache.factories import add_tokens, ids, make_manager, req
+from tests.cache.factories import add_tokens, drain, ids, make_manager, req
 
 
 def test_b1_block_manager_reuse_walk() -> None:
@@ -167,3 +169,61 @@ def test_b10_prefix_sharing_behaviour() -> None:
         mgr.remove_sequence(100 + i, r)
     assert mgr.get_num_free_blocks() == 32
     assert mgr.verify_queue_integrity()
+
+
+# -- storing again what a request stored as it went (cache/store.py: `_last_stored`) --------------
+
+
+def _stored(events: list[dict[str, Any]]) -> list[tuple[int | None, list[list[int]]]]:
+    """Each stored event's parent hash and its blocks' tokens."""
+    return [
+        (
+            e["data"]["parent_hash"],
+            [[t["token_id"] for t in b["tokens"]] for b in e["data"]["blocks"]],
+        )
+        for e in events
+        if e["data"]["type"] == "stored"
+    ]
+
+
+def test_a_release_goes_on_below_its_last_stored_block_and_keeps_anothers_block_there() -> None:
+    mgr = make_manager(8, events=64)
+    drain(mgr)
+    # B stores [0-3] [4-7] at prefill (blocks 0, 1)
+    b = req(1, range(9))
+    mgr.add_sequence(b)
+    mgr.store_context_blocks(b)
+    first = drain(mgr)
+    assert _stored(first) == [(None, [[0, 1, 2, 3], [4, 5, 6, 7]])]
+    h_4_7 = first[0]["data"]["blocks"][1]["block_hash"]
+    # A reuses them and stores its own [8-11] (block 3) below block 1
+    a = req(0, range(13))
+    assert mgr.add_sequence(a) == 8
+    assert ids(mgr, 0) == [0, 1, 3, 4]
+    mgr.store_context_blocks(a)
+    assert _stored(drain(mgr)) == [(h_4_7, [[8, 9, 10, 11]])]
+    # B computes [8-11] too (its block 2) and leaves: block 1 is its last block in the tree,
+    # and below it [8-11] is A's block already, so B stores nothing and frees 2 and 5
+    add_tokens(mgr, b, [9, 10, 11, 12])
+    assert ids(mgr, 1) == [0, 1, 2, 5]
+    mgr.remove_sequence(1, b)
+    assert drain(mgr) == []
+    assert mgr.get_num_free_blocks() == 4
+    # the tree holds A's chain: a new request reuses blocks 0, 1, 3
+    c = req(2, range(13))
+    assert mgr.add_sequence(c) == 12
+    assert ids(mgr, 2)[:3] == [0, 1, 3]
+
+
+def test_a_release_with_pins_pins_the_whole_chain_from_the_root() -> None:
+    mgr = make_manager(8, events=64)
+    drain(mgr)
+    a = req(0, range(10))
+    mgr.add_sequence(a)
+    mgr.store_context_blocks(a)
+    h_4_7 = drain(mgr)[0]["data"]["blocks"][1]["block_hash"]
+    add_tokens(mgr, a, [10])
+    # stored from block 1 on (its partial tail [8, 9]), pinned from the root: 0, 1, then 2
+    assert mgr.remove_sequence(0, a, pin_blocks=True) == [0, 1, 2]
+    assert _stored(drain(mgr)) == [(h_4_7, [[8, 9]])]
+    assert mgr.get_num_free_blocks() == 5
