@@ -50,12 +50,14 @@ from app.router.policies import (
     policy_named,
 )
 from app.router.views import InFlight, RoutingState, WorkerView
-from cache import block_hashes_for_tokens, cache_salt_id
+from cache import cache_salt_id
+from cache.hashing import U64Array, block_hash_array
 from events.index import PrefixIndex
 
 __all__ = ["InFlight", "NoWorkerError", "RouterCore", "RoutingState", "WorkerView"]
 
 _NO_MATCH = (0, 0)
+Tokens = Sequence[int] | npt.NDArray[Any]
 MAX_SESSIONS = 100_000
 
 
@@ -231,14 +233,18 @@ class RouterCore:
     # -- decisions -----------------------------------------------------------------------------
 
     def hashes(
-        self,
-        tokens: Sequence[int] | npt.NDArray[Any],
-        *,
-        lora_task_id: int | None = None,
-        cache_salt: str | None = None,
+        self, tokens: Tokens, *, lora_task_id: int | None = None, cache_salt: str | None = None
     ) -> list[int]:
         """The chained hashes of the prompt's full blocks, as the workers' managers make them."""
-        return block_hashes_for_tokens(
+        array = self.hash_array(tokens, lora_task_id=lora_task_id, cache_salt=cache_salt)
+        hashes: list[int] = array.tolist()
+        return hashes
+
+    def hash_array(
+        self, tokens: Tokens, *, lora_task_id: int | None = None, cache_salt: str | None = None
+    ) -> U64Array:
+        """``hashes`` as a uint64 array: what the index matches without converting them."""
+        return block_hash_array(
             tokens,
             self.tokens_per_block,
             lora_task_id=lora_task_id,
@@ -253,18 +259,21 @@ class RouterCore:
         tree_sizes: bool = True,
         model: str | None = None,
         session: str | None = None,
+        hash_array: U64Array | None = None,
     ) -> list[Candidate]:
         """One ``Candidate`` per worker that may take a request (admitting, not excluded,
         serving ``model`` if one is named), in worker-id order so that every router sees the
         same list. ``tree_sizes=False`` leaves ``cached_blocks`` 0 (a policy that reads it
-        declares so: ``needs_tree_sizes``); ``session``'s last worker is marked."""
+        declares so: ``needs_tree_sizes``); ``session``'s last worker is marked.
+        ``hash_array``: the same hashes as ``hash_array`` gives them, for the index's match."""
         now = 0.0
         if self._newer or self._older or self._approx:
             now = self.clock()
             self._purge(now)
         predictions, older, approx = self._newer, self._older, self._approx
         skip = set(exclude) if exclude else ()
-        matches = self.index.find_matches_by_tier(block_hashes) if block_hashes else {}
+        held = block_hashes if hash_array is None else hash_array
+        matches = self.index.find_matches_by_tier(held) if block_hashes else {}
         session_worker = self.sessions.get(session) if session is not None else None
         out: list[Candidate] = []
         for worker in self._order:
@@ -308,10 +317,11 @@ class RouterCore:
         exclude: Iterable[str] = (),
         model: str | None = None,
         session: str | None = None,
+        hash_array: U64Array | None = None,
     ) -> Decision:
         """Choose a worker for a prompt of ``num_tokens`` tokens whose full blocks hash to
-        ``block_hashes``, among ``model``'s workers. Changes nothing but the policy state;
-        ``begin`` records the choice."""
+        ``block_hashes`` (and ``hash_array``, see ``candidates``), among ``model``'s workers.
+        Changes nothing but the policy state; ``begin`` records the choice."""
         chosen = policy_named(policy or self.policy)
         candidates = self.candidates(
             block_hashes,
@@ -319,6 +329,7 @@ class RouterCore:
             tree_sizes=chosen.needs_tree_sizes,
             model=model,
             session=session,
+            hash_array=hash_array,
         )
         if not candidates:
             raise NoWorkerError(self._why_none(exclude, model))

@@ -153,11 +153,12 @@ def decide(
     start = time.perf_counter()
     core = runtime.core
     policy, weights = routing_of(runtime, fields.routing)
-    hashes = (
-        core.hashes(prompt.words, lora_task_id=fields.lora_task_id, cache_salt=fields.cache_salt)
-        if prompt.tokens is not None
-        else []
-    )
+    array = None
+    hashes: list[int] = []
+    if prompt.tokens is not None:
+        salt = fields.cache_salt
+        array = core.hash_array(prompt.words, lora_task_id=fields.lora_task_id, cache_salt=salt)
+        hashes = array.tolist()
     decision = core.decide(
         hashes,
         prompt.num_tokens,
@@ -166,6 +167,7 @@ def decide(
         exclude=exclude,
         model=prompt.model,
         session=prompt.session,
+        hash_array=array,
     )
     elapsed = time.perf_counter() - start
     runtime.metrics.observe_decision(decision, elapsed, prompt.num_tokens)

@@ -286,6 +286,23 @@ def test_host_tier_matches_and_salted_prompts() -> None:
     assert [c.matched_blocks for c in core.candidates(salted)] == [0, 0]
 
 
+def test_the_hashes_as_an_array_match_as_the_list_does() -> None:
+    """The HTTP paths hand the index the uint64 array the hashes were made in."""
+    index = PrefixIndex()
+    core, _ = make_core(2, index=index)
+    tokens = list(range(64))
+    store(index, "w0", tokens[:48])
+    array = core.hash_array(tokens, cache_salt=None)
+    assert array.dtype.name == "uint64" and array.tolist() == core.hashes(tokens)
+    by_list = core.candidates(core.hashes(tokens))
+    by_array = core.candidates(core.hashes(tokens), hash_array=array)
+    assert [(c.worker, c.matched_blocks) for c in by_array] == [("w0", 3), ("w1", 0)]
+    assert by_array == by_list
+    salted = core.hash_array(tokens, lora_task_id=7, cache_salt="tenant-a")
+    assert salted.tolist() == core.hashes(tokens, lora_task_id=7, cache_salt="tenant-a")
+    assert [c.matched_blocks for c in core.candidates(salted.tolist(), hash_array=salted)] == [0, 0]
+
+
 def test_a_worker_back_after_a_lapse_counts_its_flights_again() -> None:
     core, _ = make_core(2)
     tokens = list(range(64))
