@@ -47,6 +47,10 @@ __all__ = ["FastPath", "completion_answer", "fast_routes", "route_answer"]
 _MAX_U64 = (1 << 64) - 1
 _ROUTE_KEYS = frozenset(("lora_task_id", "cache_salt", "model", "user"))
 _PATHS = frozenset(("/route", "/v1/completions"))
+# Most bodies name no LoRA and no salt: one instance serves them all (only ever read).
+_NO_KEY_FIELDS = schemas.PromptFields.model_construct(
+    lora_task_id=None, cache_salt=None, routing=None
+)
 
 
 class FastPath:
@@ -159,6 +163,8 @@ def _prompt_fields(
         return None
     # ``tokens`` is only read as "tokenized" on these paths: the ids are ``words``.
     prompt = Prompt(parsed.words, len(parsed.words), [], resolved, session or user)
+    if lora is None and salt is None:
+        return prompt, _NO_KEY_FIELDS
     fields = schemas.PromptFields.model_construct(lora_task_id=lora, cache_salt=salt, routing=None)
     return prompt, fields
 
