@@ -1,5 +1,11 @@
 from __future__ import annotations
 
+import gc
+from typing import Any
+
+import pytest
+
+import app.bench.worker as bench_worker
 from app.bench import BENCHMARKS, load_benchmark
 from app.bench.manager import (
     NUM_PREFIXES,
@@ -13,6 +19,7 @@ from app.bench.worker import (
     MAX_TOKENS,
     NUM_REQUESTS_QUICK,
     WORKER_OPTIONS,
+    measure_manager,
     run,
     warmup_prompts,
     worker_flags,
@@ -74,6 +81,26 @@ def test_warmup_covers_every_prefix_with_fresh_suffixes() -> None:
     assert all(len(p) == TOKENS_PER_REQUEST for p in warmup)
     timed_suffixes = {tuple(p[PREFIX_TOKENS:]) for p in prompts}
     assert not timed_suffixes & {tuple(p[PREFIX_TOKENS:]) for p in warmup}
+
+
+def test_the_manager_part_runs_the_collector_as_the_worker_does_then_puts_it_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    prompts = make_prompts(8)
+    seen: list[tuple[tuple[int, ...], int]] = []  # per replay: thresholds, objects frozen
+    original = bench_worker.replay
+
+    def replay(*args: Any) -> dict[str, int]:
+        seen.append((gc.get_threshold(), gc.get_freeze_count()))
+        return original(*args)
+
+    monkeypatch.setattr(bench_worker, "replay", replay)
+    gc.set_threshold(700, 10, 10)
+    measure_manager(prompts, warmup_prompts(prompts, 4), 4)
+    # the warm-up as the process runs, the timed part as the worker's settle_heap leaves it
+    assert [threshold for threshold, _ in seen] == [(700, 10, 10), (20_000, 10, 10)]
+    assert seen[1][1] > 0
+    assert (gc.get_threshold(), gc.get_freeze_count()) == ((700, 10, 10), 0)
 
 
 def test_quick_run_from_the_command_line() -> None:
