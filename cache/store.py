@@ -43,13 +43,17 @@ def store_blocks(
     """storeBlocks: insert the blocks not yet in the tree; one Stored event for them all.
 
     The walk starts at the tree root, or at `root` when the caller knows that the blocks
-    before `keys[0]` are stored and end at `root`.
+    before `keys[0]` are stored and end at `root`, or below the last of `blocks` already
+    stored (`_last_stored`).
     """
     tree = window.tree
     count = min(len(keys), len(blocks))
-    known = _last_stored(blocks, hashes, count) if root is None else -1
+    # A sliding window's sequence may hold one block twice (out of the window, then taken back
+    # for a later position): its blocks are no chain that `_last_stored` could trust.
+    known = _last_stored(blocks, hashes, count) if root is None and not window.is_swa else -1
     if known >= 0:
-        # The walk from the root would only retrace blocks[:known + 1]: go on below the last.
+        # The walk from the root would retrace the tree's chain down to blocks[known] (the
+        # request's blocks, or another's it reused): go on below it.
         found = tree.match(keys, hashes, count, start=known + 1, parent=blocks[known], exact=True)
         start = known + 1 + len(found.blocks)
         parent = found.blocks[-1] if found.blocks else blocks[known]
@@ -79,14 +83,15 @@ def store_blocks(
 
 
 def _last_stored(blocks: Sequence[KVCacheBlock], hashes: Sequence[BlockHash], count: int) -> int:
-    """The position of the sequence's last block among its first `count` that is in the tree
-    under the hash the request gives it, or -1.
+    """The position of the last of the sequence's first `count` blocks that is in the tree,
+    when the tree holds it under the hash the request gives that position; else -1.
 
-    A block in the tree has its ancestors there too (blocks leave it a subtree at a time), and
-    its chained hash names its keys and theirs: the walk of `store_blocks` from the root would
-    find this very chain up to it. The request's own blocks are most of what it stores again
-    (all of them when it leaves), so the walk's dictionary probe per block is saved. As in
-    `_store_new_block`, equal chained hashes are taken for equal chains."""
+    A block in the tree has its ancestors there too (blocks leave it a subtree at a time; a
+    sliding window's sequence, which may hold one block twice, is not asked), and its chained
+    hash names their keys: the walk of `store_blocks` from the root would find this very chain
+    down to it. The request's own blocks are most of what it stores again (all of them when it
+    leaves), so the walk's dictionary probe per block is saved. As in `_store_new_block`, equal
+    chained hashes are taken for equal chains."""
     last = count - 1
     while last >= 0 and blocks[last].prev_block is None:
         last -= 1
@@ -168,8 +173,13 @@ def store_blocks_for_reuse(
     pin: bool,
 ) -> list[int]:
     """`store_request` for the sequence's blocks in every window, without releasing them;
-    returns the ids pinned in the last window when `pin`."""
+    returns the ids pinned in the last window when `pin`. A sliding window whose blocks gone
+    out of window were taken again (`is_sequence_valid_for_store_for_reuse`, as releaseBlocks
+    asks) stores nothing: the seed stores them anyway, though another position or sequence
+    holds them now, and a block listed twice would hang below itself."""
     pinned: list[int] = []
     for window in windows:
-        pinned = store_request(window, request, _beam0_blocks(window, sequence), pin)
+        pinned = []
+        if not window.is_swa or window.is_sequence_valid_for_store_for_reuse(sequence.request_id):
+            pinned = store_request(window, request, _beam0_blocks(window, sequence), pin)
     return pinned

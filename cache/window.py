@@ -150,13 +150,28 @@ class WindowBlockManager:
         """getFreeBlock: the next victim, offloaded to the secondary level when it may be."""
         return self.get_free_blocks(sequence, [(priority, duration_s)])[0]
 
-    def _take_from_owner(self, block: KVCacheBlock, request_id: int) -> None:
+    def _take_from_owner(self, block: KVCacheBlock, sequence: GenerationRequest) -> None:
         # A block taken from under a live sequence (rewound or out of window) makes that
-        # sequence's store-for-reuse invalid.
+        # sequence's store-for-reuse invalid. So does a sequence taking back its own block gone
+        # out of window (the seed exempts the owner): its list would hold the block twice, and
+        # storing it would hang the block below itself.
         owner = block.owner
-        if owner is not None and owner != request_id and owner in self.valid_store_for_reuse:
+        request_id = sequence.request_id
+        if (
+            owner is not None
+            and owner in self.valid_store_for_reuse
+            and (owner != request_id or self._out_of_window(block, sequence))
+        ):
             self.valid_store_for_reuse[owner] = False
         block.owner = request_id
+
+    def _out_of_window(self, block: KVCacheBlock, sequence: GenerationRequest) -> bool:
+        """Whether `block` is one of the blocks `sequence` let go out of this window."""
+        front = sequence.num_front_blocks_removed.get(self.window_size, 0)
+        if not front:
+            return False
+        blocks = self.allocated_blocks_per_seq.get(sequence.request_id, [])
+        return any(held is block for held in blocks[:front])
 
     def get_free_blocks(
         self, sequence: GenerationRequest, retentions: Sequence[Retention]
@@ -173,7 +188,6 @@ class WindowBlockManager:
         tree = self.tree
         removed: list[int] = []
         window = self.window_size
-        rid = sequence.request_id
         num_new = 0
         out: list[KVCacheBlock] = []
         for block, (priority, duration) in zip(victims, retentions, strict=True):
@@ -194,7 +208,7 @@ class WindowBlockManager:
             block.expiry_token += 1
             block.priority = DEFAULT_PRIORITY if priority is None else priority
             block.duration_s = duration
-            self._take_from_owner(block, rid)
+            self._take_from_owner(block, sequence)
             out.append(block)
         self.events.enqueue_removed_many(removed, window)
         self.alloc_new_blocks += num_new

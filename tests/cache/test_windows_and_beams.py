@@ -121,3 +121,36 @@ def test_needed_and_remaining_blocks() -> None:
     add_tokens(mgr, r, [10, 11])
     assert mgr.get_needed_blocks_one_step(r) == 1  # 12 -> 13 tokens crosses a boundary
     assert mgr.get_needed_blocks_one_step(r, two_steps_look_ahead=True) == 1
+
+
+def test_swa_sequence_that_takes_back_its_own_block_is_not_stored() -> None:
+    # a 3-block sliding window: the sequence's fourth block is its own first one, gone out of
+    # window (the seed exempts the owner from the invalidation, and stores [0, 1, 2, 0])
+    mgr = KVCacheManager(
+        num_layers=2,
+        num_kv_heads=1,
+        head_dim=4,
+        tokens_per_block=4,
+        blocks_per_window={8: (3, 0), 32: (16, 0)},
+        max_attention_window=[8, 32],
+        max_sequence_length=32,
+        event_buffer_max_size=256,
+        allocate_pools=False,
+    )
+    drain(mgr)
+    r = req(0, range(4))
+    mgr.add_sequence(r)
+    add_tokens(mgr, r, range(4, 14))
+    assert mgr.get_cache_block_ids(0, 8) == [[0, 1, 2, 0]]
+    assert (mgr.windows[8].valid_store_for_reuse, mgr.windows[32].valid_store_for_reuse) == (
+        {0: False},
+        {0: True},
+    )
+    # only the full-attention window stores (and pins) its blocks
+    assert mgr.store_blocks_for_reuse(0, r, pin_blocks=True) == [0, 1, 2, 3]
+    stored = [(e["window_size"], e["data"]["type"], len(e["data"]["blocks"])) for e in drain(mgr)]
+    assert stored == [(32, "stored", 4)]
+    mgr.remove_sequence(0, r)
+    assert drain(mgr) == []  # no window stores it
+    assert mgr.windows[8].tree.blocks() == []
+    assert mgr.verify_queue_integrity()
