@@ -237,8 +237,8 @@ def measure_manager(
     mgr.take_events()  # `created` belongs to construction
     replay(mgr, warmup, 1, live_max)  # also compiles the hasher (numba), not timed
     thresholds = gc.get_threshold()
-    settle_heap()  # collect, freeze, and the worker's young generation
     try:
+        settle_heap()  # collect, freeze, and the worker's young generation
         cpu = time.process_time()
         start = time.perf_counter()
         counters = replay(mgr, prompts, 1 + len(warmup), live_max)

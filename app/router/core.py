@@ -265,7 +265,8 @@ class RouterCore:
         serving ``model`` if one is named), in worker-id order so that every router sees the
         same list. ``tree_sizes=False`` leaves ``cached_blocks`` 0 (a policy that reads it
         declares so: ``needs_tree_sizes``); ``session``'s last worker is marked.
-        ``hash_array``: the same hashes as ``hash_array`` gives them, for the index's match."""
+        ``hash_array``: ``block_hashes`` as ``hash_array`` gives them (the same hashes, the
+        caller's to keep so), for the index's match."""
         now = 0.0
         if self._newer or self._older or self._approx:
             now = self.clock()

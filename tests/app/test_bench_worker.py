@@ -95,12 +95,17 @@ def test_the_manager_part_runs_the_collector_as_the_worker_does_then_puts_it_bac
         return original(*args)
 
     monkeypatch.setattr(bench_worker, "replay", replay)
+    before = gc.get_threshold()
     gc.set_threshold(700, 10, 10)
-    measure_manager(prompts, warmup_prompts(prompts, 4), 4)
+    try:
+        measure_manager(prompts, warmup_prompts(prompts, 4), 4)
+        after = (gc.get_threshold(), gc.get_freeze_count())
+    finally:
+        gc.set_threshold(*before)
     # the warm-up as the process runs, the timed part as the worker's settle_heap leaves it
     assert [threshold for threshold, _ in seen] == [(700, 10, 10), (20_000, 10, 10)]
     assert seen[1][1] > 0
-    assert (gc.get_threshold(), gc.get_freeze_count()) == ((700, 10, 10), 0)
+    assert after == ((700, 10, 10), 0)
 
 
 def test_quick_run_from_the_command_line() -> None:

@@ -15,6 +15,7 @@ from cache import (
     StoredData,
     UpdatedData,
     block_hashes_for_tokens,
+    cache_salt_id,
 )
 from events.index import PrefixIndex
 
@@ -293,13 +294,15 @@ def test_the_hashes_as_an_array_match_as_the_list_does() -> None:
     tokens = list(range(64))
     store(index, "w0", tokens[:48])
     array = core.hash_array(tokens, cache_salt=None)
-    assert array.dtype.name == "uint64" and array.tolist() == core.hashes(tokens)
+    assert array.dtype.name == "uint64" and array.tolist() == block_hashes_for_tokens(tokens, TPB)
     by_list = core.candidates(core.hashes(tokens))
     by_array = core.candidates(core.hashes(tokens), hash_array=array)
     assert [(c.worker, c.matched_blocks) for c in by_array] == [("w0", 3), ("w1", 0)]
     assert by_array == by_list
     salted = core.hash_array(tokens, lora_task_id=7, cache_salt="tenant-a")
-    assert salted.tolist() == core.hashes(tokens, lora_task_id=7, cache_salt="tenant-a")
+    assert salted.tolist() == block_hashes_for_tokens(
+        tokens, TPB, lora_task_id=7, cache_salt_id=cache_salt_id("tenant-a")
+    )
     assert [c.matched_blocks for c in core.candidates(salted.tolist(), hash_array=salted)] == [0, 0]
 
 
