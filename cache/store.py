@@ -43,8 +43,8 @@ def store_blocks(
     """storeBlocks: insert the blocks not yet in the tree; one Stored event for them all.
 
     The walk starts at the tree root, or at `root` when the caller knows that the blocks
-    before `keys[0]` are stored and end at `root`, or below the last of `blocks` already
-    stored (`_last_stored`).
+    before `keys[0]` are stored and end at `root`, or (without a sliding window) below the
+    last of `blocks` already stored (`_last_stored`).
     """
     tree = window.tree
     count = min(len(keys), len(blocks))
@@ -173,10 +173,11 @@ def store_blocks_for_reuse(
     pin: bool,
 ) -> list[int]:
     """`store_request` for the sequence's blocks in every window, without releasing them;
-    returns the ids pinned in the last window when `pin`. A sliding window whose blocks gone
-    out of window were taken again (`is_sequence_valid_for_store_for_reuse`, as releaseBlocks
-    asks) stores nothing: the seed stores them anyway, though another position or sequence
-    holds them now, and a block listed twice would hang below itself."""
+    returns the ids pinned in the last window when `pin`. A sliding window where the sequence
+    is no longer valid for store-for-reuse (`is_sequence_valid_for_store_for_reuse`, what
+    releaseBlocks asks: a block of its list taken again, by another sequence or by itself for
+    a later position) stores nothing: the seed stores it anyway, and a block listed twice
+    would hang below its own chain. Other windows are stored as the seed stores them."""
     pinned: list[int] = []
     for window in windows:
         pinned = []

@@ -78,11 +78,7 @@ class WindowBlockManager:
             KVCacheBlock(i, i, True) for i in range(num_primary_blocks)
         ] + [KVCacheBlock(num_primary_blocks + i, i, False) for i in range(num_secondary_blocks)]
         self.tree = ReuseTree(tokens_per_block, enable_partial_reuse, copy_on_partial_reuse)
-        self.policy = LRUEvictionPolicy(
-            self.blocks,
-            secondary_offload_min_priority,
-            clock,  # type: ignore[arg-type]
-        )
+        self.policy = LRUEvictionPolicy(self.blocks, secondary_offload_min_priority, clock)  # type: ignore[arg-type]
         self.allocated_blocks_per_seq: dict[int, list[KVCacheBlock]] = {}
         self.pins: dict[int, int] = {}  # block id -> pins not yet undone
         self.valid_store_for_reuse: dict[int, bool] = {}
@@ -152,26 +148,17 @@ class WindowBlockManager:
 
     def _take_from_owner(self, block: KVCacheBlock, sequence: GenerationRequest) -> None:
         # A block taken from under a live sequence (rewound or out of window) makes that
-        # sequence's store-for-reuse invalid. So does a sequence taking back its own block gone
-        # out of window (the seed exempts the owner): its list would hold the block twice, and
-        # storing it would hang the block below itself.
-        owner = block.owner
-        request_id = sequence.request_id
-        if (
-            owner is not None
-            and owner in self.valid_store_for_reuse
-            and (owner != request_id or self._out_of_window(block, sequence))
-        ):
-            self.valid_store_for_reuse[owner] = False
-        block.owner = request_id
-
-    def _out_of_window(self, block: KVCacheBlock, sequence: GenerationRequest) -> bool:
-        """Whether `block` is one of the blocks `sequence` let go out of this window."""
-        front = sequence.num_front_blocks_removed.get(self.window_size, 0)
-        if not front:
-            return False
-        blocks = self.allocated_blocks_per_seq.get(sequence.request_id, [])
-        return any(held is block for held in blocks[:front])
+        # sequence's store-for-reuse invalid; so does one the sequence let go out of this window
+        # itself, whoever held it since (the seed exempts it: the list would hold it twice, and
+        # storing it would hang the block below its own chain).
+        owner, rid, valid = block.owner, sequence.request_id, self.valid_store_for_reuse
+        if owner is not None and owner != rid and owner in valid:
+            valid[owner] = False
+        front = sequence.num_front_blocks_removed.get(self.window_size, 0) if self.is_swa else 0
+        if front and valid.get(rid, False):
+            gone = self.allocated_blocks_per_seq[rid][:front]
+            valid[rid] = not any(held is block for held in gone)
+        block.owner = rid
 
     def get_free_blocks(
         self, sequence: GenerationRequest, retentions: Sequence[Retention]

@@ -6,11 +6,15 @@ block (`cache.store._last_stored`), and with it always walking from the root. Ru
     KVMESH_PURE=1 python -m tests.cache.store_walk SEEDS
 
 prints one JSON line: the seeds whose runs differ (results, events, the trees, pins, free
-blocks after every step) and how often the shortcut was taken.
+blocks after every step), the seeds where a block in a tree could not be reached from its root
+(either way: the comparison alone cannot see what both ways do wrong), and how often the
+shortcut was taken. A run that hangs (a cycle in a tree) is stopped after 60 s with every
+thread's stack.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import random
 import sys
@@ -33,6 +37,23 @@ def _counted(*args: Any) -> int:
 
 def _walk_from_root(*args: Any) -> int:
     return -1
+
+
+def _unreachable(mgr: KVCacheManager) -> list[int]:
+    """The blocks in a tree (a parent, or in the flat map) that do not lead up to its root."""
+    out: list[int] = []
+    for window in mgr.windows.values():
+        root, steps = window.tree.root, len(window.blocks) + 1
+        held = [b for b in window.blocks if b.prev_block is not None]
+        for block in [*held, *window.tree.by_hash.values()]:
+            node = block
+            for _ in range(steps):
+                if node is root or node.prev_block is None:
+                    break
+                node = node.prev_block
+            if node is not root:
+                out.append(block.block_id)
+    return out
 
 
 def _state(mgr: KVCacheManager) -> list[Any]:
@@ -131,14 +152,23 @@ def run(seed: int, shortcut: bool, steps: int = 60) -> list[Any]:
             pinned.append(list(result))
         mgr.flush_iteration_events()
         events = [e.to_dict() for e in mgr.get_latest_events()]
-        log.append((op, rid, result, events, _state(mgr)))
+        log.append((op, rid, result, events, _state(mgr), _unreachable(mgr)))
     return log
 
 
 def main(num_seeds: int) -> None:
     warnings.simplefilter("ignore")  # the random calls' warnings (no sequence, ...)
-    differ = [seed for seed in range(num_seeds) if run(seed, True) != run(seed, False)]
-    print(json.dumps({"seeds": num_seeds, "differ": differ, "taken": taken}))
+    faulthandler.dump_traceback_later(60, exit=True)
+    differ: list[int] = []
+    broken: list[int] = []
+    for seed in range(num_seeds):
+        print(seed, file=sys.stderr, flush=True)  # the last one named is the one that hung
+        new, old = run(seed, True), run(seed, False)
+        if new != old:
+            differ.append(seed)
+        if any(step[-1] for step in (*new, *old)):
+            broken.append(seed)
+    print(json.dumps({"seeds": num_seeds, "differ": differ, "broken": broken, "taken": taken}))
 
 
 if __name__ == "__main__":

@@ -123,10 +123,9 @@ def test_needed_and_remaining_blocks() -> None:
     assert mgr.get_needed_blocks_one_step(r, two_steps_look_ahead=True) == 1
 
 
-def test_swa_sequence_that_takes_back_its_own_block_is_not_stored() -> None:
-    # a 3-block sliding window: the sequence's fourth block is its own first one, gone out of
-    # window (the seed exempts the owner from the invalidation, and stores [0, 1, 2, 0])
-    mgr = KVCacheManager(
+def small_swa() -> KVCacheManager:
+    # a 3-block sliding window: a sequence's fourth block is one that left its window
+    return KVCacheManager(
         num_layers=2,
         num_kv_heads=1,
         head_dim=4,
@@ -137,6 +136,12 @@ def test_swa_sequence_that_takes_back_its_own_block_is_not_stored() -> None:
         event_buffer_max_size=256,
         allocate_pools=False,
     )
+
+
+def test_swa_sequence_that_takes_back_its_own_block_is_not_stored() -> None:
+    # its fourth block is its own first one (the seed exempts the owner from the invalidation,
+    # and stores [0, 1, 2, 0])
+    mgr = small_swa()
     drain(mgr)
     r = req(0, range(4))
     mgr.add_sequence(r)
@@ -152,5 +157,28 @@ def test_swa_sequence_that_takes_back_its_own_block_is_not_stored() -> None:
     assert stored == [(32, "stored", 4)]
     mgr.remove_sequence(0, r)
     assert drain(mgr) == []  # no window stores it
+    assert mgr.windows[8].tree.blocks() == []
+    assert mgr.verify_queue_integrity()
+
+
+def test_swa_sequence_that_takes_back_a_reused_block_is_not_stored() -> None:
+    # the block it takes back came from the reuse tree: its last owner is another request
+    mgr = small_swa()
+    first = req(0, range(9))
+    mgr.add_sequence(first)
+    mgr.remove_sequence(0, first)
+    h0, h1 = (b["block_hash"] for b in drain(mgr)[2]["data"]["blocks"])  # window 8's [0-3] [4-7]
+    r = req(1, range(9))
+    assert mgr.add_sequence(r) == 8
+    add_tokens(mgr, r, range(9, 14))
+    assert mgr.get_cache_block_ids(1, 8) == [[0, 1, 2, 0]]
+    assert mgr.windows[8].valid_store_for_reuse[1] is False
+    # taking block 0 back took it, and block 1 below it, out of window 8's tree
+    removed = [(e["window_size"], e["data"]["block_hashes"]) for e in drain(mgr)]
+    assert removed == [(8, [h1, h0])]
+    assert mgr.store_blocks_for_reuse(1, r, pin_blocks=True) == [0, 1, 3, 4]
+    stored = [(e["window_size"], e["data"]["type"], len(e["data"]["blocks"])) for e in drain(mgr)]
+    assert stored == [(32, "stored", 2)]  # window 32 held its first two blocks already
+    mgr.remove_sequence(1, r)
     assert mgr.windows[8].tree.blocks() == []
     assert mgr.verify_queue_integrity()
