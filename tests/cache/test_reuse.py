@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from cache import BlockKey
+from cache import BlockKey, KVCacheManager, LlmRequest
 from tests.cache.factories import add_tokens, drain, ids, make_manager, req
 
 
@@ -186,16 +186,23 @@ def _stored(events: list[dict[str, Any]]) -> list[tuple[int | None, list[list[in
     ]
 
 
+def _prefilled(mgr: KVCacheManager, request: LlmRequest) -> int:
+    """Add `request` (9-11 tokens from 0) and store its prompt's full blocks, [0-3] [4-7], as
+    one Stored event; the hash of [4-7]."""
+    mgr.add_sequence(request)
+    mgr.store_context_blocks(request)
+    events = drain(mgr)
+    assert _stored(events) == [(None, [[0, 1, 2, 3], [4, 5, 6, 7]])]
+    h_4_7: int = events[0]["data"]["blocks"][1]["block_hash"]
+    return h_4_7
+
+
 def test_a_release_goes_on_below_its_last_stored_block_and_keeps_anothers_block_there() -> None:
     mgr = make_manager(8, events=64)
     drain(mgr)
     # B stores [0-3] [4-7] at prefill (blocks 0, 1)
     b = req(1, range(9))
-    mgr.add_sequence(b)
-    mgr.store_context_blocks(b)
-    first = drain(mgr)
-    assert _stored(first) == [(None, [[0, 1, 2, 3], [4, 5, 6, 7]])]
-    h_4_7 = first[0]["data"]["blocks"][1]["block_hash"]
+    h_4_7 = _prefilled(mgr, b)
     # A reuses them and stores its own [8-11] (block 3) below block 1
     a = req(0, range(13))
     assert mgr.add_sequence(a) == 8
@@ -219,9 +226,7 @@ def test_a_release_with_pins_pins_the_whole_chain_from_the_root() -> None:
     mgr = make_manager(8, events=64)
     drain(mgr)
     a = req(0, range(10))
-    mgr.add_sequence(a)
-    mgr.store_context_blocks(a)
-    h_4_7 = drain(mgr)[0]["data"]["blocks"][1]["block_hash"]
+    h_4_7 = _prefilled(mgr, a)
     add_tokens(mgr, a, [10])
     # stored from block 1 on (its partial tail [8, 9]), pinned from the root: 0, 1, then 2
     assert mgr.remove_sequence(0, a, pin_blocks=True) == [0, 1, 2]

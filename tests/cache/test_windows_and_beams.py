@@ -7,14 +7,14 @@ from cache.admin import reset_reuse_state
 from tests.cache.factories import add_tokens, drain, make_manager, req
 
 
-def vswa(events: int = 256, full_blocks: int = 16) -> KVCacheManager:
+def vswa(events: int = 256, full_blocks: int = 16, swa_blocks: int = 16) -> KVCacheManager:
     # layer 0 attends 8 tokens (SWA), layer 1 the whole 32
     return KVCacheManager(
         num_layers=2,
         num_kv_heads=1,
         head_dim=4,
         tokens_per_block=4,
-        blocks_per_window={8: (16, 0), 32: (full_blocks, 0)},
+        blocks_per_window={8: (swa_blocks, 0), 32: (full_blocks, 0)},
         max_attention_window=[8, 32],
         max_sequence_length=32,
         event_buffer_max_size=events,
@@ -123,25 +123,10 @@ def test_needed_and_remaining_blocks() -> None:
     assert mgr.get_needed_blocks_one_step(r, two_steps_look_ahead=True) == 1
 
 
-def small_swa() -> KVCacheManager:
-    # a 3-block sliding window: a sequence's fourth block is one that left its window
-    return KVCacheManager(
-        num_layers=2,
-        num_kv_heads=1,
-        head_dim=4,
-        tokens_per_block=4,
-        blocks_per_window={8: (3, 0), 32: (16, 0)},
-        max_attention_window=[8, 32],
-        max_sequence_length=32,
-        event_buffer_max_size=256,
-        allocate_pools=False,
-    )
-
-
 def test_swa_sequence_that_takes_back_its_own_block_is_not_stored() -> None:
-    # its fourth block is its own first one (the seed exempts the owner from the invalidation,
-    # and stores [0, 1, 2, 0])
-    mgr = small_swa()
+    # 3 blocks in the sliding window: its fourth block is its own first one, gone out of window
+    # (the seed exempts the owner from the invalidation, and stores [0, 1, 2, 0])
+    mgr = vswa(swa_blocks=3)
     drain(mgr)
     r = req(0, range(4))
     mgr.add_sequence(r)
@@ -163,7 +148,7 @@ def test_swa_sequence_that_takes_back_its_own_block_is_not_stored() -> None:
 
 def test_swa_sequence_that_takes_back_a_reused_block_is_not_stored() -> None:
     # the block it takes back came from the reuse tree: its last owner is another request
-    mgr = small_swa()
+    mgr = vswa(swa_blocks=3)
     first = req(0, range(9))
     mgr.add_sequence(first)
     mgr.remove_sequence(0, first)
