@@ -38,19 +38,18 @@ def store_blocks(
     blocks: Sequence[KVCacheBlock],
     pin_blocks: bool = False,
     cache_salt: str | None = None,
-    root: KVCacheBlock | None = None,
 ) -> StoredBlocks:
     """storeBlocks: insert the blocks not yet in the tree; one Stored event for them all.
 
-    The walk starts at the tree root, or at `root` when the caller knows that the blocks
-    before `keys[0]` are stored and end at `root`, or (without a sliding window) below the
-    last of `blocks` already stored (`_last_stored`).
+    The walk starts at the tree root or (without a sliding window) below the last of `blocks`
+    already stored (`_last_stored`): a request stores most of its blocks more than once, at
+    every block boundary and when it leaves.
     """
     tree = window.tree
     count = min(len(keys), len(blocks))
     # A sliding window's sequence may hold one block twice (out of the window, then taken back
     # for a later position): its blocks are no chain that `_last_stored` could trust.
-    known = _last_stored(blocks, hashes, count) if root is None and not window.is_swa else -1
+    known = _last_stored(blocks, hashes, count) if not window.is_swa else -1
     if known >= 0:
         # The walk from the root would retrace the tree's chain down to blocks[known] (the
         # request's blocks, or another's it reused): go on below it.
@@ -59,9 +58,9 @@ def store_blocks(
         parent = found.blocks[-1] if found.blocks else blocks[known]
         matched = tree.chain(parent) if pin_blocks else []
     else:
-        matched = tree.match(keys, hashes, count, exact=True, parent=root).blocks
+        matched = tree.match(keys, hashes, count, exact=True).blocks
         start = len(matched)
-        parent = matched[-1] if matched else (tree.root if root is None else root)
+        parent = matched[-1] if matched else tree.root
     pinned: list[int] = []
     if pin_blocks:
         for block in matched:
@@ -138,19 +137,9 @@ def _store_new_block(
     usable = request.num_tokens - 1
     if usable % tpb != 0:
         return
-    ids = sequence.cache_block_ids[window.window_size][0]
     keys = request.block_keys(tpb, usable, True)
     hashes = request.block_hashes(tpb, usable, True)
-    n = len(keys)
-    if n >= 2 and len(ids) >= n:
-        prev, last = window.blocks[ids[n - 2]], window.blocks[ids[n - 1]]
-        if prev.prev_block is not None and last.prev_block is not None:
-            return  # already stored
-        if prev.prev_block is not None and prev.hash == hashes[n - 2]:
-            # Everything up to `prev` is stored: walking there from the root would only
-            # retrace it (and cost O(length) at every block boundary).
-            store_blocks(window, keys[-1:], hashes[-1:], [last], False, request.cache_salt, prev)
-            return
+    # store_blocks goes on below the last block stored so far: only the new one is looked up.
     store_blocks(window, keys, hashes, _beam0_blocks(window, sequence), False, request.cache_salt)
 
 
