@@ -61,6 +61,9 @@ async def _cluster(
         await eventually(lambda: sorted(runtime.core.workers) == ["w0", "w1"])
         await eventually(lambda: runtime.index.stats()["per_worker"].get("w0", {}).get("blocks"))
         await eventually(lambda: runtime.readiness()["ready"])
+        # both up, not only one (ready): a worker whose first load report is not read yet is
+        # stale, and GET /v1/models counts the workers that are up
+        await eventually(lambda: [v.state for v in runtime.core.workers.values()] == ["up"] * 2)
         yield client, runtime, w0
 
 
