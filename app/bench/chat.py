@@ -13,10 +13,11 @@ earlier turns in the cache and encodes its new reply and user turn. ``conversati
 first conversation's first timed request.
 
 Timed per request, in one pass as the router does them: ``chat_render_*`` (the template,
-``render_chat``), ``chat_tokenize_*`` (the rendered text, ``encode_rendered``: piece cache),
-``chat_hash_*`` (``core.hashes``), ``chat_decide_*`` (``core.decide`` on the bench's index and
-loads), ``chat_render_tokenize_*`` and ``chat_total_*`` (the sums). Then the same requests cold,
-as before the cache: ``chat_cold_render_*`` (transformers' ``apply_chat_template``),
+``render_chat``), ``chat_tokenize_*`` (the rendered text, ``encode_rendered_words``: the
+piece cache), ``chat_hash_*`` (``core.hash_array`` and its list), ``chat_decide_*``
+(``core.decide`` on the bench's index and loads), ``chat_render_tokenize_*`` and
+``chat_total_*`` (the sums): as the router does them. Then the same requests cold, as before
+the cache: ``chat_cold_render_*`` (transformers' ``apply_chat_template``),
 ``chat_cold_tokenize_*`` (the whole text encoded) and ``chat_cold_render_tokenize_*``. Every
 request's ids are checked against the cold ones. Also: the timed requests' prompt tokens,
 ``chat_encoded_chars_p50`` (characters the tokenizer encoded per timed request),
@@ -126,18 +127,19 @@ def measure_chat(core: RouterCore, num_conversations: int = NUM_CONVERSATIONS) -
     got: list[list[int]] = []
     for request, measured in traffic:
         if not measured:
-            ids = tokenizer.encode_chat(request)
-            core.decide(core.hashes(ids), len(ids))
+            untimed = tokenizer.encode_chat_words(request)
+            core.decide(core.hashes(untimed), len(untimed))
             continue
         before = tokenizer.piece_cache
         t0 = clock()
         text = tokenizer.render_chat(request)
         t1 = clock()
-        ids = tokenizer.encode_rendered(text)
+        ids = tokenizer.encode_rendered_words(text)
         t2 = clock()
-        hashes = core.hashes(ids)
+        array = core.hash_array(ids)
+        hashes = array.tolist()
         t3 = clock()
-        core.decide(hashes, len(ids))
+        core.decide(hashes, len(ids), hash_array=array)
         t4 = clock()
         after = tokenizer.piece_cache
         assert before is not None and after is not None  # the demo model is separable
@@ -148,7 +150,7 @@ def measure_chat(core: RouterCore, num_conversations: int = NUM_CONVERSATIONS) -
         hits += after.hits - before.hits
         misses += after.misses - before.misses
         prefix_hits += after.prefix_hits - before.prefix_hits
-        got.append(ids)
+        got.append(ids.tolist())
     if got != expected:
         raise AssertionError("the cached encoding differs from the whole text's")
     cold: dict[str, list[int]] = {"render": [], "tokenize": [], "render_tokenize": []}

@@ -26,12 +26,13 @@ own description; where it cannot, it returns None and the caller encodes the who
    add nothing (no BOS), and truncation and padding must be off.
 
 Pieces are cached by their text (a piece starting with a control token can never equal a first
-piece, which starts with none), recently used last; the cache holds at most ``max_tokens`` ids
-(about 45 bytes each with its share of the text on CPython: 2**18 ids, about 12 MB). Ids are
-kept in tuples of one shared int object per vocabulary id (made at start, ~36 bytes an id:
-4.6 MB for a 128k vocabulary): the garbage collector stops tracking such tuples, so a full
-cache does not lengthen its passes, and copying a 4k-id prefix touches a few compact pages,
-not 4k scattered objects.
+piece, which starts with none), recently used last; the cache holds at most ``max_tokens`` ids.
+Ids are kept as read-only ``uint32`` arrays (4 bytes an id, plus ~100 bytes a piece and its
+text's share), and a request's ids are one ``numpy.concatenate`` of its prefix's array and its
+pieces' (``encode_words``): no Python int per id. Lists of one int object per id made a 4k-id
+request touch 4k scattered objects to copy them (their reference counts), twice, and the
+router then converted the list back to an array for the hasher: 75-150 µs of a chat request.
+``encode`` gives a list for the callers that need one.
 
 A piece the cache lacks is encoded by the tokenizers library, or, when its text after its
 control token is plain ASCII and the tokenizer a byte-level BPE where that is proven the same,
@@ -58,13 +59,25 @@ from __future__ import annotations
 import json
 import re
 import threading
+from array import array
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
+
 from app.chat.words import WordEncoder
 
-__all__ = ["DEFAULT_CACHE_TOKENS", "PieceCacheInfo", "PieceEncoder", "control_tokens"]
+__all__ = [
+    "DEFAULT_CACHE_TOKENS",
+    "PieceCacheInfo",
+    "PieceEncoder",
+    "U32Array",
+    "control_tokens",
+    "words_of",
+]
 
 DEFAULT_CACHE_TOKENS = 1 << 18
 PREFIX_FACTOR = 4
@@ -72,6 +85,22 @@ KEY_CHARS = 32
 PREFIX_CUTS = 16  # a new request adds at most this many control tokens to find its prefix
 PREFIX_WINDOWS = (1_024, 16_384)  # ... within this many characters of its end, nearest first
 WORD_IDS = 4  # the word cache holds max_tokens // WORD_IDS words (a word is 1 to 3 ids, mostly)
+
+U32Array = npt.NDArray[np.uint32]
+_NO_IDS: U32Array = np.zeros(0, dtype=np.uint32)
+
+
+def words_of(ids: Sequence[int]) -> U32Array:
+    """``ids`` as a uint32 array (through ``array``: a C loop, where ``np.array`` of a list
+    inspects every element's type first)."""
+    return np.frombuffer(array("I", ids), dtype=np.uint32)
+
+
+def _frozen(ids: list[int]) -> U32Array:
+    out = words_of(ids)
+    out.flags.writeable = False  # shared by every request that holds the piece
+    return out
+
 
 # Components that transform each split from its text alone (``Metaspace``: and from whether it
 # starts the input; see the module docstring), by their ``type`` in tokenizer.json.
@@ -162,7 +191,7 @@ class _Prefix:
     """A request's text up to one of its cuts (``len(text)``), and that text's ids."""
 
     text: str
-    ids: tuple[int, ...]
+    ids: U32Array
 
 
 class PieceEncoder:
@@ -176,11 +205,11 @@ class PieceEncoder:
         if not tokens or not all(tokens):
             raise ValueError("control tokens must be non-empty strings")
         self._encode = backend.encode
-        # one int object per id, made together, for the cached tuples to share
+        # a new piece's text after its control token, word by word where proven the same; its
+        # cached words share one int object per id, made together
         vocab = backend.get_vocab(with_added_tokens=True).values()
-        self._canonical = list(range(max(vocab, default=-1) + 1))
-        # a new piece's text after its control token, word by word where proven the same
-        self._words = WordEncoder.for_backend(backend, self._canonical, max_tokens // WORD_IDS)
+        canonical = list(range(max(vocab, default=-1) + 1))
+        self._words = WordEncoder.for_backend(backend, canonical, max_tokens // WORD_IDS)
         self._token_ids = {token: backend.token_to_id(token) for token in tokens}
         # longest first: Python's leftmost-first alternation is then leftmost-longest
         literals = sorted(set(tokens), key=lambda t: (-len(t), t))
@@ -189,7 +218,7 @@ class PieceEncoder:
         self._first_chars = frozenset(literal[0] for literal in literals)
         self.max_tokens = max_tokens
         self.max_prefix_tokens = PREFIX_FACTOR * max_tokens
-        self._pieces: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self._pieces: OrderedDict[str, U32Array] = OrderedDict()
         self._num_tokens = 0  # == sum of len(ids) over self._pieces
         self._prefixes: OrderedDict[tuple[int, str], _Prefix] = OrderedDict()
         self._num_prefix_tokens = 0  # == sum of len(prefix.ids) over self._prefixes
@@ -197,24 +226,27 @@ class PieceEncoder:
         self._lock = threading.Lock()  # a router may encode from more than one thread
 
     def encode(self, text: str) -> list[int]:
-        """``text``'s ids (no special tokens added): a remembered prefix's, then its pieces'."""
+        """``encode_words`` as a list."""
+        ids: list[int] = self.encode_words(text).tolist()
+        return ids
+
+    def encode_words(self, text: str) -> U32Array:
+        """``text``'s ids (no special tokens added), a new array: a remembered prefix's, then
+        its pieces'."""
         with self._lock:
             prefix = self._take_prefix(text)
-            kept: tuple[int, ...] = ()
-            if prefix is None:
-                ids: list[int] = []
-                start = 0
-            else:
-                kept = prefix.ids
-                ids = list(kept)
+            parts: list[U32Array] = []
+            start = 0
+            if prefix is not None:
+                parts.append(prefix.ids)
                 start = len(prefix.text)
                 self._prefix_hits += 1
-            last_cut, num_last = self._add_pieces(text, start, ids)
+            last_cut = self._add_pieces(text, start, parts)
+            ids = np.concatenate(parts) if parts else _NO_IDS.copy()
             if last_cut > start:  # a cut past the prefix it started from: its own prefix
-                # the old prefix's tuple and the new pieces' ids but the last: one copy of the
-                # ~4k ids, where slicing the list and making a tuple of it were two (23 -> 13 µs)
-                new_ids = ids[len(kept) : len(ids) - num_last]
-                prefix = _Prefix(text[:last_cut], kept + tuple(new_ids))
+                kept = ids[: len(ids) - len(parts[-1])].copy()  # all but the last piece's
+                kept.flags.writeable = False
+                prefix = _Prefix(text[:last_cut], kept)
             if prefix is not None:
                 self._keep_prefix(prefix)
         return ids
@@ -258,13 +290,13 @@ class PieceEncoder:
                     return False
         return True
 
-    def _add_pieces(self, text: str, start: int, ids: list[int]) -> tuple[int, int]:
-        """Append the ids of ``text[start:]`` (``start``: 0 or a cut), piece by piece; return
-        where the last piece starts (0 when no cut) and how many ids it has."""
+    def _add_pieces(self, text: str, start: int, parts: list[U32Array]) -> int:
+        """Append the ids of ``text[start:]`` (``start``: 0 or a cut) to ``parts``, piece by
+        piece; return where the last piece starts (``start`` when it has no cut)."""
         cuts = [match.start() for match in self._boundary.finditer(text, start)]
         cuts.append(len(text))
         get, move_to_end = self._pieces.get, self._pieces.move_to_end
-        num_pieces = num_misses = encoded_chars = num_last = 0
+        num_pieces = num_misses = encoded_chars = 0
         last_cut = start
         for end in cuts:
             if end == start:  # the text, or its tail, starts with a control token
@@ -279,14 +311,13 @@ class PieceEncoder:
                 encoded_chars += len(piece)
             else:
                 move_to_end(piece)
-            ids += found
-            num_last = len(found)
+            parts.append(found)
         self._hits += num_pieces - num_misses
         self._misses += num_misses
         self._encoded_chars += encoded_chars
-        return last_cut, num_last
+        return last_cut
 
-    def _encode_words(self, piece: str) -> tuple[int, ...] | None:
+    def _encode_words(self, piece: str) -> list[int] | None:
         """The piece's ids through the ``WordEncoder``: its control token's id, then its text's
         (the library splits the text at the token first); None where it cannot."""
         words = self._words
@@ -294,21 +325,17 @@ class PieceEncoder:
             return None
         token = self._boundary.match(piece)  # the cut's: the longest token there
         if token is None:  # the first piece
-            ids = words.encode(piece)
-            return None if ids is None else tuple(ids)
+            return words.encode(piece)
         ids = words.encode(piece[token.end() :])
-        return None if ids is None else (self._canonical[self._token_ids[token.group()]], *ids)
+        return None if ids is None else [self._token_ids[token.group()], *ids]
 
-    def _miss(self, piece: str) -> tuple[int, ...]:
+    def _miss(self, piece: str) -> U32Array:
         """Encode a piece the cache lacks, and keep it (unless empty or over the bound)."""
-        ids = self._encode_words(piece)
-        if ids is None:
-            encoded: list[int] = self._encode(piece, add_special_tokens=False).ids
-            try:
-                ids = tuple(map(self._canonical.__getitem__, encoded))
-            except IndexError:  # an id past the vocabulary keeps its object
-                ids = tuple(encoded)
-        if ids and len(ids) <= self.max_tokens:  # an empty piece would cost nothing, forever
+        listed = self._encode_words(piece)
+        if listed is None:
+            listed = self._encode(piece, add_special_tokens=False).ids
+        ids = _frozen(listed)
+        if len(ids) and len(ids) <= self.max_tokens:  # an empty piece would cost nothing, ever
             self._pieces[piece] = ids
             self._num_tokens += len(ids)
             while self._num_tokens > self.max_tokens:

@@ -37,7 +37,16 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from app.chat.pieces import DEFAULT_CACHE_TOKENS, PieceCacheInfo, PieceEncoder, control_tokens
+import numpy as np
+
+from app.chat.pieces import (
+    DEFAULT_CACHE_TOKENS,
+    PieceCacheInfo,
+    PieceEncoder,
+    U32Array,
+    control_tokens,
+    words_of,
+)
 from app.chat.render import ChatRenderer
 
 __all__ = ["ChatTemplateError", "ModelTokenizer", "TokenizerLoadError", "special_ends"]
@@ -175,6 +184,16 @@ class ModelTokenizer:
         whole: list[int] = self._backend.encode(text, add_special_tokens=True).ids
         return whole
 
+    def encode_text_words(self, text: str) -> U32Array:
+        """``encode_text`` as a uint32 array: what the router hashes, with no int per id."""
+        if self._text_ends is not None and self._pieces is not None:
+            head, tail = self._text_ends
+            ids = self._pieces.encode_words(text)
+            if head or tail:
+                ids = np.concatenate((words_of(head), ids, words_of(tail)))
+            return ids
+        return words_of(self._backend.encode(text, add_special_tokens=True).ids)
+
     def render_chat(
         self,
         messages: Sequence[Mapping[str, Any]],
@@ -214,6 +233,16 @@ class ModelTokenizer:
         """The chat's token ids: rendered, then encoded without adding special tokens (the
         template wrote them)."""
         return self.encode_rendered(self.render_chat(messages, **options))
+
+    def encode_chat_words(self, messages: Sequence[Mapping[str, Any]], **options: Any) -> U32Array:
+        """``encode_chat`` as a uint32 array: what the router hashes, with no int per id."""
+        return self.encode_rendered_words(self.render_chat(messages, **options))
+
+    def encode_rendered_words(self, text: str) -> U32Array:
+        """``encode_rendered`` as a uint32 array."""
+        if self._pieces is not None:
+            return self._pieces.encode_words(text)
+        return words_of(self.encode_whole(text))
 
     def encode_rendered(self, text: str) -> list[int]:
         """A rendered chat's ids: its template wrote the special tokens, none are added. Piece

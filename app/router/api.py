@@ -63,10 +63,13 @@ Runtime = Annotated[RouterRuntime, Depends(runtime_of)]
 # -- prompts and decisions ---------------------------------------------------------------------
 
 
+_NUMPY = orjson.OPT_SERIALIZE_NUMPY
+
+
 def _payload(ours: dict[str, Any], sent: dict[str, Any]) -> Callable[[bool], bytes]:
     """A kvmesh worker gets ``ours``, an engine behind ``kvmesh ingest`` ``sent``; serialised
-    only when sent."""
-    return lambda foreign: orjson.dumps(sent if foreign else ours)
+    only when sent (ids the router encoded are a uint32 array: a JSON list all the same)."""
+    return lambda foreign: orjson.dumps(sent if foreign else ours, option=_NUMPY)
 
 
 # -- routes ------------------------------------------------------------------------------------

@@ -37,12 +37,13 @@ __all__ = [
 class Prompt:
     """A request's prompt as the router places it: the words the hasher reads (none when the
     router has no tokenizer for its model: then it is placed by load alone, and ``note`` says
-    so), its length in tokens (estimated from its text when not tokenized), its model and its
-    session."""
+    so), its length in tokens (estimated from its text when not tokenized), the ids the worker
+    is sent (the client's list, or ``words`` itself where the router encoded them; None when
+    not tokenized), its model and its session."""
 
     words: npt.NDArray[np.uint32]
     num_tokens: int
-    tokens: list[int] | None
+    tokens: list[int] | npt.NDArray[np.uint32] | None
     model: str | None = None
     session: str | None = None
     note: str | None = None
@@ -79,6 +80,26 @@ def token_prompt(
     return Prompt(words, len(tokens), tokens, model, session)
 
 
+def _encoded_prompt(
+    runtime: RouterRuntime,
+    words: npt.NDArray[np.uint32],
+    param: str,
+    model: str | None,
+    session: str | None,
+) -> Prompt:
+    """A prompt the router's tokenizer encoded (ids in range by construction): its length
+    checked. The array is the ids sent on too (orjson writes it as the list)."""
+    if not len(words):
+        raise BadRequest(f"{param}: must hold at least one token", param=param)
+    if len(words) > runtime.settings.max_prompt_tokens:
+        raise BadRequest(
+            f"{param}: {len(words)} tokens; the router takes at most "
+            f"{runtime.settings.max_prompt_tokens}",
+            param=param,
+        )
+    return Prompt(words, len(words), words, model, session)
+
+
 def _untokenized(text_length: int, model: str | None, session: str | None) -> Prompt:
     which = f"model {model!r}" if model is not None else "this request"
     note = (
@@ -99,7 +120,7 @@ def text_prompt(
     tokenizer = runtime.tokenizer_for(model)
     if tokenizer is None:
         return _untokenized(len(text), model, session)
-    return token_prompt(runtime, tokenizer.encode_text(text), param, model, session)
+    return _encoded_prompt(runtime, tokenizer.encode_text_words(text), param, model, session)
 
 
 def chat_prompt(
@@ -120,10 +141,10 @@ def chat_prompt(
             )
         return prompt
     try:
-        tokens = tokenizer.encode_chat(messages, **options)
+        words = tokenizer.encode_chat_words(messages, **options)
     except ChatTemplateError as exc:
         raise BadRequest(f"messages: {exc}", param="messages") from None
-    return token_prompt(runtime, tokens, "messages", model, session)
+    return _encoded_prompt(runtime, words, "messages", model, session)
 
 
 def routing_of(runtime: RouterRuntime, routing: schemas.Routing | None) -> tuple[str, Weights]:

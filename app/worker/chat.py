@@ -38,14 +38,15 @@ def chat_job(
             "messages: this worker has no tokenizer (--tokenizer DIR) to serve a chat with",
             param="messages",
         )
+    words = None
     if body.prompt_token_ids is not None:
         tokens, param = body.prompt_token_ids, "prompt_token_ids"
     else:
         try:
-            tokens = tokenizer.encode_chat(body.template_messages(), **body.render_options())
+            words = tokenizer.encode_chat_words(body.template_messages(), **body.render_options())
         except ChatTemplateError as exc:
             raise BadRequest(f"messages: {exc}", param="messages") from None
-        param = "messages"
+        tokens, param = words.tolist(), "messages"
     return tokens_job(
         tokens,
         param,
@@ -57,6 +58,7 @@ def chat_job(
         lora_task_id=body.lora_task_id,
         cache_salt=body.cache_salt,
         prefix="chatcmpl",
+        words=words,
     )
 
 

@@ -84,7 +84,7 @@ def make_job(
     """Check a completion request against the model and the cache size; a Job or BadRequest.
     A text prompt needs the worker's tokenizer (encoded as the engine would: with its special
     tokens)."""
-    prompt = body.prompt
+    prompt, words = body.prompt, None
     if isinstance(prompt, str):
         if tokenizer is None:
             raise BadRequest(
@@ -92,7 +92,8 @@ def make_job(
                 "to the router",
                 param="prompt",
             )
-        prompt = tokenizer.encode_text(prompt)
+        words = tokenizer.encode_text_words(prompt)
+        prompt = words.tolist()
     elif prompt and isinstance(prompt[0], str):
         raise BadRequest("prompt: one prompt per request (a string)", param="prompt")
     if prompt and isinstance(prompt[0], list):
@@ -108,6 +109,7 @@ def make_job(
         lora_task_id=body.lora_task_id,
         cache_salt=body.cache_salt,
         retention=body.retention,
+        words=words,
     )
 
 

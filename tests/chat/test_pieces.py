@@ -11,6 +11,7 @@ import random
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from tokenizers import AddedToken, Tokenizer, pre_tokenizers
 from transformers import AutoTokenizer
@@ -405,3 +406,26 @@ def test_an_edited_turn_misses_the_prefix_and_a_resent_request_hits_it(
     assert resent is not None
     assert (resent.prefix_hits, resent.prefixes) == (4, 2)
     assert (resent.misses, resent.hits - after_edit.hits) == (after_edit.misses, 1)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_the_words_forms_are_the_lists_as_uint32_arrays(model: str, dirs: dict[str, Path]) -> None:
+    """What the router hashes (``*_words``) is what the list forms give, request by request,
+    and a caller writing into an array it was given changes nothing the cache gives later."""
+    ours, listed = ModelTokenizer.load(dirs[model]), ModelTokenizer.load(dirs[model])
+    for messages in _growing_conversation(model if model in STYLES else "chatml", 7, 4):
+        words = ours.encode_chat_words(messages)
+        expected = listed.encode_chat(messages)
+        assert words.dtype == np.uint32 and words.tolist() == expected
+        words[:] = 0  # the caller's own array: not the cache's
+    last = _growing_conversation(model if model in STYLES else "chatml", 7, 4)[-1]
+    assert ours.encode_chat_words(last).tolist() == listed.encode_chat(last)
+    text = "The weather in Paris is " + "rainy " * 40
+    assert ours.encode_text_words(text).tolist() == listed.encode_text(text)
+    whole = ModelTokenizer.load(dirs[model], cache_tokens=0)
+    assert (
+        whole.encode_chat_words(last).tolist()
+        == whole.encode_chat(last)
+        == listed.encode_chat(last)
+    )
+    assert whole.encode_text_words(text).tolist() == listed.encode_text(text)
