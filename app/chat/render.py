@@ -8,10 +8,12 @@ What ``apply_chat_template`` costs beside the template itself, and what this doe
   ``str`` is already plain data) and any other value through transformers' own two conversions;
 * its sandbox resolves ``message.role`` by asking the dict for an attribute ``role`` first and
   catching the ``AttributeError`` (most of the template's time on a long chat); here the same
-  compiled template runs in an overlay of transformers' own environment (same sandbox, filters,
+  template is compiled in an overlay of transformers' own environment (same sandbox, filters,
   globals and extensions) whose ``getattr`` goes straight to the item for a plain ``dict`` and a
   name that is no attribute of ``dict``: the case where the sandbox would have done the same
-  after the exception. Anything else takes the sandbox's own path.
+  after the exception. Its code makes that case no call at all where the object is a local
+  (``message.role`` in a loop: ``_dict_first_code``). Anything else takes the sandbox's own
+  path.
 
 The variables are transformers': ``messages`` (the converted chat, reasoning fields aliased by
 transformers' function where a message has one), ``tools``, ``documents`` (None),
@@ -85,6 +87,44 @@ def _dict_first_getattr(environment: Any) -> Callable[[Any, str], Any]:
         return sandbox_getattr(obj, attribute)
 
     return getattr_
+
+
+@functools.cache
+def _dict_first_code() -> type[Any]:
+    """Jinja's code generator, writing ``name.attr`` (``name`` a template's local variable,
+    ``attr`` no attribute of ``dict``) as ``name[attr] if type(name) is dict and attr in name
+    else environment.getattr(name, attr)``: the case ``_dict_first_getattr`` answers first,
+    answered inline. A chat template reads ``message.role`` and ``message.content`` a few times
+    a message: inline, the bench's 54-message chat renders in 127 µs instead of 140. Made on
+    first use, as ``_helpers``."""
+    from io import StringIO
+
+    from jinja2 import nodes
+    from jinja2.compiler import CodeGenerator, Frame, optimizeconst
+
+    class DictFirstCodeGenerator(CodeGenerator):
+        @optimizeconst
+        def visit_Getattr(self, node: nodes.Getattr, frame: Frame) -> None:
+            attr = node.attr
+            if (
+                self.environment.is_async
+                or attr in _DICT_ATTRIBUTES
+                or not isinstance(node.node, nodes.Name)
+            ):
+                super().visit_Getattr(node, frame)
+                return
+            self.write("(")  # first: it writes any pending line break, not the capture below
+            stream, self.stream = self.stream, StringIO()
+            try:
+                self.visit(node.node, frame)
+                name = self.stream.getvalue()
+            finally:
+                self.stream = stream
+            if name.isidentifier():  # a local's plain name: read again, it costs nothing
+                self.write(f"{name}[{attr!r}] if type({name}) is dict and {attr!r} in {name} else ")
+            self.write(f"environment.getattr({name}, {attr!r}))")
+
+    return DictFirstCodeGenerator
 
 
 def _template_message(message: Mapping[Any, Any], helpers: _Helpers) -> dict[Any, Any]:
@@ -167,4 +207,5 @@ class ChatRenderer:
     def _compile_fast(source: str) -> Any:
         environment = _helpers().compile(source).environment.overlay()
         environment.getattr = _dict_first_getattr(environment)
+        environment.code_generator_class = _dict_first_code()
         return environment.from_string(source)

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
+from app.chat.render import ChatRenderer
 from app.chat.schemas import ChatCompletionRequest
 from app.chat.tokenizer import ChatTemplateError, ModelTokenizer
 from tests.support.chat_models import CONVERSATIONS, PREFILLS, STYLES, WEATHER_TOOL
@@ -181,6 +182,21 @@ def test_a_template_reading_messages_every_way_renders_as_transformers(
         "[assistant|assistant|2|anon|False||role,content||Hello]<|im_end|>\n"
         "<|im_start|>assistant\n"
     )
+
+
+def test_a_local_dict_is_read_inline_and_everything_else_through_the_sandbox() -> None:
+    """What the fast template is compiled to: ``message.role`` on a loop's message as an
+    inline lookup, a dict method, an attribute of an attribute and a context variable as the
+    sandbox's calls (``test_a_template_reading_messages_every_way...`` renders them alike)."""
+    source = ChatRenderer._compile_fast(PROBE_TEMPLATE).environment.compile(
+        PROBE_TEMPLATE, raw=True
+    )
+    inline = "(l_1_message['role'] if type(l_1_message) is dict and 'role' in l_1_message else "
+    assert inline + "environment.getattr(l_1_message, 'role'))" in source
+    assert "environment.getattr(l_1_message, 'items')" in source
+    assert "'items' in l_1_message" not in source
+    assert "environment.getattr(" + inline.replace("role", "meta") in source  # .meta.tags
+    assert source.count(" is dict and ") == 6  # role, name, missing, meta twice, content
 
 
 def test_a_dict_method_that_changes_the_message_is_refused_as_by_transformers(
