@@ -7,6 +7,7 @@ otherwise; the cache stays within its bound."""
 from __future__ import annotations
 
 import random
+import re
 from typing import Any
 
 import pytest
@@ -23,7 +24,14 @@ from tokenizers import (
 
 from app.bench.chat import DEMO_MODEL
 from app.chat.pieces import PieceEncoder, control_tokens
-from app.chat.words import CHECK_TEXTS, MAX_WORD_CHARS, SAFE_CHARS, WordEncoder, _portable
+from app.chat.words import (
+    CHECK_TEXTS,
+    MAX_WORD_CHARS,
+    SAFE_CHARS,
+    WordEncoder,
+    _ascii_pattern,
+    _portable,
+)
 from tests.support.chat_models import tokenizer_dir
 
 CORPUS = [
@@ -197,6 +205,39 @@ def test_a_pattern_the_regex_module_reads_otherwise_is_declined() -> None:
 )
 def test_patterns_the_engines_read_differently_are_refused(pattern: str, portable: bool) -> None:
     assert _portable(pattern) is portable
+
+
+@pytest.mark.parametrize(
+    ("pattern", "written"),
+    [
+        (
+            r"(?i:'s|'t)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+",
+            r"(?i:'s|'t)|[^\r\nA-Za-z0-9]?[A-Za-z]+|[0-9]{1,3}| ?[^\sA-Za-z0-9]+|\s+(?!\S)|\s+",
+        ),
+        (r"[\p{L}\]x]+|\\p{L}|[^^\p{N}]", r"[A-Za-z\]x]+|\\p{L}|[^^0-9]"),  # escapes kept
+        (r"\p{Lu}+|.", None),
+        (r"\pL+|.", None),
+        (r"\P{L}+|.", None),
+    ],
+)
+def test_letters_and_numbers_are_written_as_their_ascii_members(
+    pattern: str, written: str | None
+) -> None:
+    assert _ascii_pattern(pattern) == written
+
+
+@pytest.mark.parametrize("model", ["llama3", "chatml", "demo", "gpt2"])
+def test_the_test_models_split_in_the_standard_re(
+    model: str, backends: dict[str, Tokenizer]
+) -> None:
+    """Each test model's pattern is one ``_ascii_pattern`` writes: the ASCII tests above ran
+    ``re``; a pattern naming another property keeps the ``regex`` module, and encodes alike."""
+    words = _words(backends[model])
+    assert words is not None and isinstance(words._split, re.Pattern)
+    other = _split(r"\p{Lu}?\p{Ll}+|\p{N}| ?[^\s\p{L}\p{N}]+|\s+")
+    kept = _words(other)
+    assert kept is not None and not isinstance(kept._split, re.Pattern)
+    _same_on_random_ascii(kept, other, seed=9, count=300)
 
 
 def test_a_pattern_that_matches_empty_is_refused() -> None:
