@@ -65,14 +65,7 @@ def token_prompt(
     session: str | None = None,
 ) -> Prompt:
     """A prompt of token ids, checked (length, range: one C-level pass)."""
-    if not tokens:
-        raise BadRequest(f"{param}: must hold at least one token", param=param)
-    if len(tokens) > runtime.settings.max_prompt_tokens:
-        raise BadRequest(
-            f"{param}: {len(tokens)} tokens; the router takes at most "
-            f"{runtime.settings.max_prompt_tokens}",
-            param=param,
-        )
+    _check_length(runtime, len(tokens), param)
     try:
         words = np.frombuffer(array("I", tokens), dtype=np.uint32)
     except OverflowError:
@@ -89,15 +82,19 @@ def _encoded_prompt(
 ) -> Prompt:
     """A prompt the router's tokenizer encoded (ids in range by construction): its length
     checked. The array is the ids sent on too (orjson writes it as the list)."""
-    if not len(words):
+    _check_length(runtime, len(words), param)
+    return Prompt(words, len(words), words, model, session)
+
+
+def _check_length(runtime: RouterRuntime, num_tokens: int, param: str) -> None:
+    if not num_tokens:
         raise BadRequest(f"{param}: must hold at least one token", param=param)
-    if len(words) > runtime.settings.max_prompt_tokens:
+    if num_tokens > runtime.settings.max_prompt_tokens:
         raise BadRequest(
-            f"{param}: {len(words)} tokens; the router takes at most "
+            f"{param}: {num_tokens} tokens; the router takes at most "
             f"{runtime.settings.max_prompt_tokens}",
             param=param,
         )
-    return Prompt(words, len(words), words, model, session)
 
 
 def _untokenized(text_length: int, model: str | None, session: str | None) -> Prompt:

@@ -145,8 +145,27 @@ async def test_bad_chats_through_the_router(clean_redis_url: str, dirs: dict[str
     twice = [{"role": "user", "content": "one"}, {"role": "user", "content": "two"}]
     with pytest.raises(jinja2.TemplateError) as raised:
         AutoTokenizer.from_pretrained(str(mistral)).apply_chat_template(twice, tokenize=False)
-    settings = {"models": [f"llama={mistral}"], "max_body_bytes": 1 << 20}
+    theirs = AutoTokenizer.from_pretrained(str(mistral))
+    long_chat = [{"role": "user", "content": "Tell me a story. " * 20}]
+    rendered = theirs.apply_chat_template(long_chat, add_generation_prompt=True, tokenize=False)
+    chat_ids = theirs(rendered, add_special_tokens=False)["input_ids"]
+    long_text = "Once upon a time " * 20
+    text_ids = theirs(long_text)["input_ids"]
+    assert min(len(chat_ids), len(text_ids)) > 64
+    settings = {"models": [f"llama={mistral}"], "max_body_bytes": 1 << 20, "max_prompt_tokens": 64}
     async with _cluster(clean_redis_url, dirs["llama3"], **settings) as (router, runtime, _):
+        # over the router's max_prompt_tokens once encoded as the engine encodes them
+        over = await router.post("/v1/chat/completions", json={"messages": long_chat})
+        assert over.status_code == 400, over.text
+        assert over.json()["error"]["message"] == (
+            f"messages: {len(chat_ids)} tokens; the router takes at most 64"
+        )
+        over = await router.post("/v1/completions", json={"prompt": long_text, "max_tokens": 1})
+        assert over.status_code == 400, over.text
+        assert over.json()["error"]["message"] == (
+            f"prompt: {len(text_ids)} tokens; the router takes at most 64"
+        )
+        assert over.json()["error"]["param"] == "prompt"
         cases: list[tuple[dict[str, Any], str | None, str]] = [
             (
                 {"messages": twice},
