@@ -49,9 +49,9 @@ the new text equals that request's text up to ``c`` (``startswith``), holds a co
 ``c``, and no control token in it crosses ``c``: then the scan of the new text finds the same
 matches before ``c`` as the earlier one (each was leftmost-longest among more candidates) and
 none between the last of them and ``c``, so it finds a match at ``c``, a cut of the new text.
-The prefixes hold up to ``PREFIX_FACTOR * max_tokens`` ids (references to the int objects the
-pieces hold: about 11 bytes an id with its text); a prefix a longer one of the same
-conversation replaces is dropped.
+The prefixes hold up to ``PREFIX_FACTOR * max_tokens`` ids (an array of their own each: about
+7 bytes an id with its text); a prefix a longer one of the same conversation replaces is
+dropped.
 """
 
 from __future__ import annotations
