@@ -31,7 +31,8 @@ Ids are kept as read-only ``uint32`` arrays (4 bytes an id, plus ~100 bytes a pi
 text's share), and a request's ids are one ``numpy.concatenate`` of its prefix's array and its
 pieces' (``encode_words``): no Python int per id. Lists of one int object per id made a 4k-id
 request touch 4k scattered objects to copy them (their reference counts), twice, and the
-router then converted the list back to an array for the hasher: 75-150 µs of a chat request.
+router then converted the list back to an array for the hasher: in ``kvmesh bench router``'s
+chat case the tokenizing took 155 µs and the hash 63, against 124 and 25 with the arrays.
 ``encode`` gives a list for the callers that need one.
 
 A piece the cache lacks is encoded by the tokenizers library, or, when its text after its
