@@ -155,9 +155,8 @@ class WindowBlockManager:
         if owner is not None and owner != rid and owner in valid:
             valid[owner] = False
         front = sequence.num_front_blocks_removed.get(self.window_size, 0) if self.is_swa else 0
-        if front and valid.get(rid, False):
-            gone = self.allocated_blocks_per_seq[rid][:front]
-            valid[rid] = not any(held is block for held in gone)
+        if front and valid.get(rid, False):  # identity: a block has no __eq__ (one C scan)
+            valid[rid] = block not in self.allocated_blocks_per_seq[rid][:front]
         block.owner = rid
 
     def get_free_blocks(

@@ -175,11 +175,7 @@ class ModelTokenizer:
         pieces (and their words) where proven the same: the post-processors ``PieceEncoder``
         admits add the same ids before and after any text (``special_ends``)."""
         if self._text_ends is not None and self._pieces is not None:
-            head, tail = self._text_ends
-            ids = self._pieces.encode(text)  # a new list: extended in place, not copied
-            if head:
-                ids[:0] = head
-            ids += tail
+            ids: list[int] = self.encode_text_words(text).tolist()
             return ids
         whole: list[int] = self._backend.encode(text, add_special_tokens=True).ids
         return whole
