@@ -57,7 +57,10 @@ class WorkerView:
         self._candidates.clear()
 
     def set_load(self, load: dict[str, int]) -> None:
+        unchanged = load == self.load
         self.load = load
+        if unchanged:  # an idle worker reports the same load: its candidates stay built
+            return
         self._speed = None  # parsed again from the new report, once
         self.changed()
 
