@@ -1,7 +1,8 @@
 """The router's Prometheus metrics (``GET /metrics``), in a registry of its own per app.
 
-Decisions and proxied requests are counted as they happen; the rest is read at scrape time from
-what the runtime already keeps, so routing pays nothing for it: the in-flight figures here, and
+Proxied requests are counted as they happen, decisions noted as they happen and counted at the
+next scrape (or every ``_FOLD_EVERY``); the rest is read at scrape time from what the runtime
+already keeps, so routing pays nothing for it: the in-flight figures here, and
 the cluster's (workers per state, per-worker lag, cordons, the consumer's counters) by
 ``app.cluster.metrics.ClusterMetrics``, registered beside them.
 """
@@ -21,6 +22,7 @@ from app.router.policies import Decision
 
 __all__ = ["CONTENT_TYPE", "RouterMetrics"]
 
+_FOLD_EVERY = 1_024  # decisions noted before they are counted, at the latest
 _DECISION_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2)
 
 
@@ -31,6 +33,9 @@ class RouterMetrics(Collector):
         # never removed, so they can be kept)
         self._children: dict[tuple[str, str], tuple[Counter, Counter]] = {}
         self._completed: dict[tuple[str, int], Counter] = {}  # (worker, status) -> child
+        # Decisions not counted yet (``observe_decision``): (policy, worker, fresh, expected
+        # cached tokens, seconds, prompt tokens).
+        self._pending: list[tuple[str, str, bool, int, float, int]] = []
         self.registry = CollectorRegistry(auto_describe=False)
         self.decisions = Counter(
             "kvmesh_router_decisions",
@@ -80,21 +85,41 @@ class RouterMetrics(Collector):
         )
 
     def observe_decision(self, decision: Decision, seconds: float, num_tokens: int) -> None:
-        key = (decision.policy, decision.worker)
-        children = self._children.get(key)
-        if children is None:  # ``labels()`` per decision was a third of this method's cost
-            policy, worker = key
-            children = self._children[key] = (
-                self.decisions.labels(policy=policy, worker=worker),
-                self.expected_cached_tokens.labels(worker=worker),
+        """Noted now, counted at the next scrape (``render``) or after ``_FOLD_EVERY``
+        decisions: a decision pays for one tuple, not five locked counter updates (~7 µs a
+        decision in a busy router, its caches cold), and the counters are exact when read."""
+        pending = self._pending
+        pending.append(
+            (
+                decision.policy,
+                decision.worker,
+                decision.fresh,
+                decision.expected_cached_tokens,
+                seconds,
+                num_tokens,
             )
-        decided, expected = children
-        decided.inc()
-        if not decision.fresh:
-            self.stale_decisions.labels(worker=decision.worker).inc()
-        expected.inc(decision.expected_cached_tokens)
-        self.prompt_tokens.inc(num_tokens)
-        self.decision_seconds.observe(seconds)
+        )
+        if len(pending) >= _FOLD_EVERY:
+            self._fold()
+
+    def _fold(self) -> None:
+        """Count the decisions noted since the last fold."""
+        pending, self._pending = self._pending, []
+        children = self._children
+        for policy, worker, fresh, expected_tokens, seconds, num_tokens in pending:
+            kept = children.get((policy, worker))
+            if kept is None:  # ``labels()`` per decision was a third of its cost
+                kept = children[(policy, worker)] = (
+                    self.decisions.labels(policy=policy, worker=worker),
+                    self.expected_cached_tokens.labels(worker=worker),
+                )
+            decided, expected = kept
+            decided.inc()
+            if not fresh:
+                self.stale_decisions.labels(worker=worker).inc()
+            expected.inc(expected_tokens)
+            self.prompt_tokens.inc(num_tokens)
+            self.decision_seconds.observe(seconds)
 
     def count_completion(self, worker: str, status: int) -> None:
         """One proxied completion ended with ``status`` (``labels()`` a request was ~3 µs)."""
@@ -106,6 +131,7 @@ class RouterMetrics(Collector):
         child.inc()
 
     def render(self) -> bytes:
+        self._fold()
         return generate_latest(self.registry)
 
     def collect(self) -> Iterator[Metric]:

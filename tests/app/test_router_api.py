@@ -14,6 +14,7 @@ import pytest
 
 from app.cluster.members import Member
 from app.core.embedded_redis import EmbeddedCluster, EmbeddedRedis
+from app.router.policies import Decision
 from app.router.runtime import RouterRuntime
 from events import keys
 from tests.app.router_support import router_client, router_settings
@@ -223,6 +224,24 @@ async def test_workers_index_stats_and_metrics(clean_redis_url: str) -> None:
         assert 'kvmesh_router_workers{state="up"} 2.0' in text
         assert "kvmesh_router_decision_seconds_count 1.0" in text
         assert "kvmesh_router_consumer_resyncs_total 0.0" in text
+
+        # Decisions are counted at each scrape, and every 1,024 between scrapes (what waits
+        # stays bounded).
+        stale = Decision("w1", "kv_aware", 32, (), fresh=False)
+        for _ in range(1_030):
+            runtime.metrics.observe_decision(stale, 1e-4, 64)
+        counted = [
+            (sample.labels["worker"], sample.value)
+            for family in runtime.metrics.decisions.collect()
+            for sample in family.samples
+            if sample.name.endswith("_total")
+        ]
+        assert sorted(counted) == [("w0", 1.0), ("w1", 1_024.0)]
+        text = (await router.get("/metrics")).text
+        assert 'kvmesh_router_decisions_total{policy="kv_aware",worker="w1"} 1030.0' in text
+        assert 'kvmesh_router_stale_decisions_total{worker="w1"} 1030.0' in text
+        assert "kvmesh_router_decision_seconds_count 1031.0" in text
+        assert "kvmesh_router_prompt_tokens_total 66020.0" in text
 
 
 async def test_two_routers_agree(clean_redis_url: str) -> None:
