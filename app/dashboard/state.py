@@ -34,6 +34,7 @@ __all__ = ["DashboardState", "DecisionLike", "hex_hash"]
 
 _TYPES = ("stored", "removed", "updated")
 _FEED_HASHES = 3  # hashes shown per feed item
+_PENDING_CHAINS = 64  # requested chains kept before they are counted (each the request's list)
 
 
 def hex_hash(block_hash: int) -> str:
@@ -127,6 +128,7 @@ class DashboardState:
         self._next_decision_id = 1
         # Prefixes by first block hash: requested (router) and stored from the root (events).
         self._requested: dict[int, _Prefix] = {}
+        self._pending: list[Sequence[int]] = []  # requested chains not counted yet
         self._stored_roots: dict[int, _Prefix] = {}
 
     # -- input ---------------------------------------------------------------------------------
@@ -180,7 +182,17 @@ class DashboardState:
             )
             self._next_decision_id += 1
         if block_hashes:
-            self._count(self._requested, block_hashes[0], block_hashes)
+            # Counted when the prefixes are read, or every _PENDING_CHAINS: a decision pays
+            # for an append, the counting runs in one warm loop.
+            pending = self._pending
+            pending.append(block_hashes)
+            if len(pending) >= _PENDING_CHAINS:
+                self._count_pending()
+
+    def _count_pending(self) -> None:
+        for chain in self._pending:
+            self._count(self._requested, chain[0], chain)
+        self._pending.clear()
 
     def _count_root(self, data: StoredData) -> None:
         hashes = [block.block_hash for block in data.blocks[: self.prefix_blocks]]
@@ -196,7 +208,7 @@ class DashboardState:
                 table.update(keep[: self.max_prefixes * 8])
             return
         entry.count += 1
-        if len(chain) > len(entry.chain):
+        if len(entry.chain) < min(len(chain), self.prefix_blocks):
             entry.chain = list(chain[: self.prefix_blocks])
 
     def _prune_rates(self, per_second: dict[int, list[int]], now_second: int) -> None:
@@ -277,6 +289,7 @@ class DashboardState:
     def prefixes(self, index: PrefixIndex, workers: Sequence[str]) -> dict[str, Any]:
         """The most requested prefixes (the router's requests; else the most stored roots)
         against the workers: how many leading blocks of each every worker holds."""
+        self._count_pending()
         table, by = (
             (self._requested, "requests") if self._requested else (self._stored_roots, "stored")
         )

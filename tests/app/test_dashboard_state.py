@@ -148,6 +148,18 @@ def test_decisions_and_the_prefix_map() -> None:
     ]
     assert DashboardState(record_decisions=False).decisions() is None
 
+    # Requests are counted in batches between reads (what waits stays bounded) and in full
+    # at each read; a prefix keeps its longest chain, within prefix_blocks.
+    for i in range(130):
+        state.on_decision(f"s{i}", "route", decision, 96, system if i % 2 else system[:3])
+    assert len(state._pending) == 130 % 64
+    rows = state.prefixes(index, ["w0", "w1"])["rows"]
+    assert [(r["prefix"], r["count"], r["blocks"]) for r in rows] == [
+        (hex_hash(system[0]), 133, 4),
+        (hex_hash(other[0]), 1, 2),
+    ]
+    assert state._pending == []
+
 
 def test_decisions_ring_builds_each_row_once() -> None:
     state = DashboardState(clock=Clock(), decisions_size=2)
