@@ -106,7 +106,7 @@ class _FastProtocol(OneWriteHttpToolsProtocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._fast_route: FastRoute | None = None
-        self._fast_body = bytearray()
+        self._fast_body: list[bytes] = []  # the body's chunks, as httptools gives them
         self._later: set[asyncio.Task[None]] = set()  # the answers given later, not yet written
 
     def on_message_begin(self) -> None:
@@ -135,7 +135,7 @@ class _FastProtocol(OneWriteHttpToolsProtocol):
             and self._plain_length()
         ):
             self._fast_route = route
-            self._fast_body = bytearray()
+            self._fast_body = []
             return
         self._begin_scope()
         super().on_headers_complete()
@@ -151,7 +151,7 @@ class _FastProtocol(OneWriteHttpToolsProtocol):
 
     def on_body(self, body: bytes) -> None:
         if self._fast_route is not None:
-            self._fast_body += body
+            self._fast_body.append(body)
             return
         super().on_body(body)
 
@@ -161,8 +161,10 @@ class _FastProtocol(OneWriteHttpToolsProtocol):
             super().on_message_complete()
             return
         self._fast_route = None
-        body = bytes(self._fast_body)
-        self._fast_body = bytearray()
+        chunks = self._fast_body
+        # Most bodies come in one read: that chunk is the body, not copied twice over.
+        body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        self._fast_body = []
         try:
             answer = route(self.headers, body)
         except Exception:

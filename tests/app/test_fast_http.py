@@ -145,6 +145,24 @@ async def test_pipelined_requests_are_answered_in_order_on_either_path() -> None
     ]
 
 
+async def test_a_body_sent_in_several_reads_reaches_either_path_whole() -> None:
+    async with _serving() as (reader, writer):
+        answers = []
+        for body in (b'{"fast": true, "n": 12345}', b'{"fast": false, "pad": "xyz"}'):
+            request = _post(body)
+            cut = len(request) - len(body)
+            # The head, then the body in three pieces, each sent (and read) on its own.
+            for piece in (request[:cut], body[:5], body[5:9], body[9:]):
+                writer.write(piece)
+                await writer.drain()
+                await asyncio.sleep(0.02)
+            answers.append(await _answer(reader))
+    assert answers == [
+        (200, b'{"path":"fast","n":12345}'),
+        (202, b'{"path":"asgi","body":"{\\"fast\\": false, \\"pad\\": \\"xyz\\"}"}'),
+    ]
+
+
 async def test_a_fast_route_that_raises_is_logged_and_the_asgi_app_answers(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
