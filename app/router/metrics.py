@@ -1,7 +1,7 @@
 """The router's Prometheus metrics (``GET /metrics``), in a registry of its own per app.
 
 Proxied requests are counted as they happen, decisions noted as they happen and counted at the
-next scrape (or every ``_FOLD_EVERY``); the rest is read at scrape time from what the runtime
+next scrape (or every ``_FOLD_EVERY``, 64); the rest is read at scrape time from what the runtime
 already keeps, so routing pays nothing for it: the in-flight figures here, and
 the cluster's (workers per state, per-worker lag, cordons, the consumer's counters) by
 ``app.cluster.metrics.ClusterMetrics``, registered beside them.
@@ -22,7 +22,9 @@ from app.router.policies import Decision
 
 __all__ = ["CONTENT_TYPE", "RouterMetrics"]
 
-_FOLD_EVERY = 1_024  # decisions noted before they are counted, at the latest
+# Decisions noted before they are counted, at the latest: a fold of 64 is ~0.1 ms on the loop
+# (one of 1,024 was 2-3 ms, a stall in the request that made it).
+_FOLD_EVERY = 64
 _DECISION_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2)
 
 
@@ -85,9 +87,11 @@ class RouterMetrics(Collector):
         )
 
     def observe_decision(self, decision: Decision, seconds: float, num_tokens: int) -> None:
-        """Noted now, counted at the next scrape (``render``) or after ``_FOLD_EVERY``
-        decisions: a decision pays for one tuple, not five locked counter updates (~7 µs a
-        decision in a busy router, its caches cold), and the counters are exact when read."""
+        """Noted now, counted at the next scrape (``render``) or with the ``_FOLD_EVERY``
+        decisions noted before it: the five locked counter updates (~7 µs a decision in a busy
+        router, its caches cold) run later, in one warm loop. The counters are exact at each
+        ``render``; read directly they may lag by up to ``_FOLD_EVERY`` - 1 decisions. Both
+        run on the event loop's thread."""
         pending = self._pending
         pending.append(
             (

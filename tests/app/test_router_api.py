@@ -225,8 +225,8 @@ async def test_workers_index_stats_and_metrics(clean_redis_url: str) -> None:
         assert "kvmesh_router_decision_seconds_count 1.0" in text
         assert "kvmesh_router_consumer_resyncs_total 0.0" in text
 
-        # Decisions are counted at each scrape, and every 1,024 between scrapes (what waits
-        # stays bounded).
+        # Decisions are counted at each scrape, and every 64 between scrapes (what waits
+        # stays bounded: 1,024 of these 1,030 before the scrape).
         stale = Decision("w1", "kv_aware", 32, (), fresh=False)
         for _ in range(1_030):
             runtime.metrics.observe_decision(stale, 1e-4, 64)
