@@ -13,7 +13,8 @@ Bounded by construction, whatever the event rate:
   become items (the rest are counted as ``skipped``), so 10,000 events/s cost a counter each;
 * decisions: a ring of ``decisions_size``;
 * prefixes: counts per first block hash, pruned to ``max_prefixes`` by count when they pass
-  twice that, each with its chain of at most ``prefix_blocks`` hashes.
+  twice that, each with its chain of at most ``prefix_blocks`` hashes; the router's requests
+  are counted in batches, fewer than ``_PENDING_CHAINS`` chains of ``prefix_blocks`` waiting.
 
 Hashes leave as 16-digit hex strings: a browser's numbers hold 53 bits, a block hash 64.
 """
@@ -34,7 +35,7 @@ __all__ = ["DashboardState", "DecisionLike", "hex_hash"]
 
 _TYPES = ("stored", "removed", "updated")
 _FEED_HASHES = 3  # hashes shown per feed item
-_PENDING_CHAINS = 64  # requested chains kept before they are counted (each the request's list)
+_PENDING_CHAINS = 64  # requested chains kept before they are counted
 
 
 def hex_hash(block_hash: int) -> str:
@@ -185,7 +186,7 @@ class DashboardState:
             # Counted when the prefixes are read, or every _PENDING_CHAINS: a decision pays
             # for an append, the counting runs in one warm loop.
             pending = self._pending
-            pending.append(block_hashes)
+            pending.append(block_hashes[: self.prefix_blocks])  # what a prefix keeps of it
             if len(pending) >= _PENDING_CHAINS:
                 self._count_pending()
 

@@ -57,6 +57,8 @@ class WorkerView:
         self._candidates.clear()
 
     def set_load(self, load: dict[str, int]) -> None:
+        """The worker's new load report: a new dict each time (one changed in place and given
+        again would equal itself, and keep the candidates built from it)."""
         unchanged = load == self.load
         self.load = load
         if unchanged:  # an idle worker reports the same load: its candidates stay built

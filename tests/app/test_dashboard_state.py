@@ -149,7 +149,7 @@ def test_decisions_and_the_prefix_map() -> None:
     assert DashboardState(record_decisions=False).decisions() is None
 
     # Requests are counted in batches between reads (what waits stays bounded) and in full
-    # at each read; a prefix keeps its longest chain, within prefix_blocks.
+    # at each read; a prefix keeps its longest chain, within prefix_blocks (4 here).
     for i in range(130):
         state.on_decision(f"s{i}", "route", decision, 96, system if i % 2 else system[:3])
     assert len(state._pending) == 130 % 64
@@ -159,6 +159,14 @@ def test_decisions_and_the_prefix_map() -> None:
         (hex_hash(other[0]), 1, 2),
     ]
     assert state._pending == []
+    longer = block_hashes_for_tokens(list(range(700, 796)), 16)  # 6 blocks
+    blocks = []
+    for length in (2, 3, 6, 1):  # the kept chain grows to the longest seen, capped at 4
+        for i in range(70):  # past a batch: counted before the read, and at it
+            state.on_decision(f"l{length}-{i}", "route", decision, 96, longer[:length])
+        rows = state.prefixes(index, ["w0", "w1"])["rows"]
+        blocks.append(next(r["blocks"] for r in rows if r["prefix"] == hex_hash(longer[0])))
+    assert blocks == [2, 3, 4, 4]
 
 
 def test_decisions_ring_builds_each_row_once() -> None:
