@@ -184,7 +184,7 @@ class DashboardState:
             self._next_decision_id += 1
         if block_hashes:
             # Counted when the prefixes are read, or every _PENDING_CHAINS: a decision pays
-            # for an append, the counting runs in one warm loop.
+            # for a short slice and an append, the counting runs in one warm loop.
             pending = self._pending
             pending.append(block_hashes[: self.prefix_blocks])  # what a prefix keeps of it
             if len(pending) >= _PENDING_CHAINS:

@@ -270,7 +270,7 @@ def test_a_candidate_is_kept_until_its_worker_changes() -> None:
     assert fresh == {"w0": (5_000, 0, True), "w1": (10_000, 0, False)}
 
     # A report equal to the last (an idle worker's, read anew every load interval) keeps the
-    # candidates; one that differs in any field builds them again.
+    # candidates; a changed one builds them again.
     kept = {c.worker: c for c in core.candidates(hashes, tree_sizes=False)}
     core.set_load("w0", {"used_blocks_0": 5_000, "free_blocks_0": 5_000})
     same = {c.worker: c for c in core.candidates(hashes, tree_sizes=False)}
