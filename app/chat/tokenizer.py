@@ -104,8 +104,9 @@ class ModelTokenizer:
         # None: rendered chats are encoded whole (no cache wanted, or not proven separable)
         self._pieces = PieceEncoder(backend, tokens, cache_tokens) if tokens else None
         # What the post-processor adds around a text prompt's ids, where a text can go through
-        # the pieces too (see encode_text)
-        self._text_ends = special_ends(backend) if self._pieces is not None else None
+        # the pieces too (see encode_text), as the arrays a request's ids are joined with
+        ends = special_ends(backend) if self._pieces is not None else None
+        self._text_ends = None if ends is None else (words_of(ends[0]), words_of(ends[1]))
 
     @classmethod
     def load(cls, path: str | Path, *, cache_tokens: int = DEFAULT_CACHE_TOKENS) -> ModelTokenizer:
@@ -185,8 +186,8 @@ class ModelTokenizer:
         if self._text_ends is not None and self._pieces is not None:
             head, tail = self._text_ends
             ids = self._pieces.encode_words(text)
-            if head or tail:
-                ids = np.concatenate((words_of(head), ids, words_of(tail)))
+            if len(head) or len(tail):
+                ids = np.concatenate((head, ids, tail))
             return ids
         return words_of(self._backend.encode(text, add_special_tokens=True).ids)
 
