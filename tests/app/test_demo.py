@@ -88,7 +88,7 @@ def test_the_demo_compares_the_policies_within_its_duration_and_leaves_nothing_b
     rows = {line.split()[0]: line.split() for line in lines[header + 1 : header + 3]}
     assert sorted(rows) == ["kv_aware", "round_robin"]
     for row in rows.values():
-        assert row[-2:] == [replayed, "0"]  # requests (the same for both), failed
+        assert row[-2:] == [replayed, "0"], output  # requests (the same), failed: say why
     assert float(rows["kv_aware"][1]) > float(rows["round_robin"][1])
     # About 30 s; the whole workload, which --duration used not to cut, took over 60 s here.
     assert elapsed < 30 + 15, output
