@@ -68,7 +68,19 @@ def _log_dir(output: str) -> Path:
     return Path(found.group(1))
 
 
-def test_the_demo_compares_the_policies_within_its_duration_and_leaves_nothing_behind() -> None:
+def _table(output: str) -> dict[str, list[str]]:
+    """The comparison's rows, by policy: policy, hit ratio, TTFT p50 and p99 (value and unit
+    each), imbalance, requests, failed."""
+    lines = output.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("policy"))
+    rows = {line.split()[0]: line.split() for line in lines[header + 1 : header + 3]}
+    assert sorted(rows) == ["kv_aware", "round_robin"], output
+    return rows
+
+
+def test_the_demo_ends_within_its_duration_and_leaves_nothing_behind() -> None:
+    """The cut depends on how long the first workers took to start: on a busy machine it may
+    leave too few requests to tell the policies apart, which the Ctrl-C test below does."""
     port = free_port()
     started = time.monotonic()
     proc = _demo(port, "--duration", "30")
@@ -83,13 +95,8 @@ def test_the_demo_compares_the_policies_within_its_duration_and_leaves_nothing_b
     cut = re.search(r"--duration 30: each policy replays the first (\d+) of 192 requests", output)
     assert cut is not None, output
     replayed = cut.group(1)
-    lines = output.splitlines()
-    header = next(i for i, line in enumerate(lines) if line.startswith("policy"))
-    rows = {line.split()[0]: line.split() for line in lines[header + 1 : header + 3]}
-    assert sorted(rows) == ["kv_aware", "round_robin"]
-    for row in rows.values():
+    for row in _table(output).values():
         assert row[-2:] == [replayed, "0"], output  # requests (the same), failed: say why
-    assert float(rows["kv_aware"][1]) > float(rows["round_robin"][1])
     # About 30 s; the whole workload, which --duration used not to cut, took over 60 s here.
     assert elapsed < 30 + 15, output
     pids = _pids(output)
@@ -211,11 +218,17 @@ def test_the_built_in_workload_is_the_documented_cut() -> None:
     assert trace[0].timestamp_ms == 0
 
 
-def test_ctrl_c_while_serving_is_a_clean_end() -> None:
+def test_the_demo_compares_the_policies_and_ctrl_c_while_serving_is_a_clean_end() -> None:
     """Without --duration the demo serves until Ctrl-C: that is its normal end, not a failure
-    (exit 0, the logs deleted); Ctrl-C during the comparison is a stop (the test above)."""
+    (exit 0, the logs deleted); Ctrl-C during the comparison is a stop (the test above).
+
+    The first 48 requests hold later turns of conversations, which kv_aware sends where the
+    earlier turns are cached. Replayed at 25x (under 7 s a policy), kv_aware hit 0.358 and
+    round robin 0.255 with two CPU-bound processes beside the demo; at the default 85x, beside
+    the same two, 60 requests hit 0.342 and 0.341 (TTFT p50 1.4 s, about the median gap
+    between two turns of a conversation there)."""
     port = free_port()
-    proc = _demo(port, "--requests", "1", "--speed", "1000")
+    proc = _demo(port, "--requests", "48", "--speed", "25")
     assert proc.stdout is not None
     try:
         deadline = time.monotonic() + 120
@@ -230,6 +243,10 @@ def test_ctrl_c_while_serving_is_a_clean_end() -> None:
         proc.kill()
         proc.stdout.close()
     assert status == 0, seen
+    rows = _table(seen)
+    for row in rows.values():
+        assert row[-2:] == ["48", "0"], seen  # requests, failed: say why
+    assert float(rows["kv_aware"][1]) > float(rows["round_robin"][1]), seen
     assert seen.splitlines()[-1] == "kvmesh demo: stopped"
     assert not _log_dir(seen).exists()
     assert port_is_free(port)
