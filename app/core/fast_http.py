@@ -189,8 +189,8 @@ class _FastProtocol(OneWriteHttpToolsProtocol):
         self.on_response_complete()
 
     def _answer_later(self, answer: Awaitable[RawAnswer]) -> None:
-        # A keep-alive timer armed by an earlier answer in the same read would close the
-        # connection under this one (only ``data_received`` unsets it).
+        # An earlier answer in the same read marked the connection idle: its keep-alive timer
+        # would close it under this one (only ``data_received`` marks it busy).
         self._unset_keepalive_if_required()
         pending = _Pending()
         self.cycle = pending  # type: ignore[assignment]

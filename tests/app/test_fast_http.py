@@ -77,10 +77,14 @@ def _app() -> FastAPI:
 
 
 @contextlib.asynccontextmanager
-async def _serving() -> AsyncIterator[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
+async def _serving(
+    keep_alive_s: float | None = None,
+) -> AsyncIterator[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
     app = _app()
     port = free_port()
     config = uvicorn_config(app, "127.0.0.1", port, "warning")
+    if keep_alive_s is not None:
+        config.timeout_keep_alive = keep_alive_s  # type: ignore[assignment]  # a float works
     assert isinstance(config.http, type) and config.http.__name__ == "FastHttpToolsProtocol"
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve())
@@ -161,6 +165,33 @@ async def test_a_body_sent_in_several_reads_reaches_either_path_whole() -> None:
         (200, b'{"path":"fast","n":12345}'),
         (202, b'{"path":"asgi","body":"{\\"fast\\": false, \\"pad\\": \\"xyz\\"}"}'),
     ]
+
+
+async def test_the_keep_alive_timeout_counts_from_the_last_answer_on_either_path() -> None:
+    """One timer per connection (``app.core.http_protocol``), armed by the first answer: it
+    closes a connection idle for the whole timeout since its last answer, never one that has a
+    request, and not at the first answer's timeout."""
+    async with _serving(keep_alive_s=0.5) as (reader, writer):
+        loop = asyncio.get_running_loop()
+        answers = []
+        # Every 0.25 s, each within the timeout of the answer before; the last two come past the
+        # first answer's timeout.
+        for body in (b'{"fast": true, "n": 1}', b'{"fast": false}', b'{"fast": true, "n": 2}'):
+            writer.write(_post(body))
+            answers.append(await _answer(reader))
+            await asyncio.sleep(0.25)
+        writer.write(_post(b'{"later": 0.8}'))  # longer than the timeout: a busy connection
+        answers.append(await _answer(reader))
+        last = loop.time()
+        assert await asyncio.wait_for(reader.read(), 10) == b""  # closed by the server
+        idle = loop.time() - last
+    assert answers == [
+        (200, b'{"path":"fast","n":1}'),
+        (202, b'{"path":"asgi","body":"{\\"fast\\": false}"}'),
+        (200, b'{"path":"fast","n":2}'),
+        (201, b'{"path":"later"}'),
+    ]
+    assert 0.45 < idle < 2.0, idle
 
 
 async def test_a_fast_route_that_raises_is_logged_and_the_asgi_app_answers(
