@@ -111,6 +111,7 @@ class _FastProtocol(OneWriteHttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         # uvicorn's, less the ASGI scope: a fast route never needs one (``_begin_scope``).
+        self._idle_since = None  # busy (``app.core.http_protocol``'s keep-alive)
         self.url = b""
         self.expect_100_continue = False
         self.headers = []
@@ -189,9 +190,6 @@ class _FastProtocol(OneWriteHttpToolsProtocol):
         self.on_response_complete()
 
     def _answer_later(self, answer: Awaitable[RawAnswer]) -> None:
-        # An earlier answer in the same read marked the connection idle: its keep-alive timer
-        # would close it under this one (only ``data_received`` marks it busy).
-        self._unset_keepalive_if_required()
         pending = _Pending()
         self.cycle = pending  # type: ignore[assignment]
         task = self.loop.create_task(self._write_later(pending, answer, self.url))

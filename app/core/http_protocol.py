@@ -13,7 +13,8 @@ once unless something is pending before it.
 uvicorn also cancels a connection's keep-alive timer on every read and arms a new one after
 every answer: a timer made, scheduled and cancelled per request, 8-10 µs of the router's CPU
 per ``/route`` (its thread's CPU, measured by part). Here one timer per connection is armed
-once and stays armed: a read marks the connection busy, an answer notes when it went idle, and
+once and stays armed: a read or a request marks the connection busy, an answer notes when it
+went idle, and
 the timer, when it fires, closes a connection idle for the whole timeout, or is armed again for
 what is left of it (a busy one: by its next answer). The timeout counts from the last answer,
 as uvicorn's does.
@@ -97,6 +98,11 @@ class OneWriteHttpToolsProtocol(HttpToolsProtocol):
         # uvicorn's cancels the timer (on every read); this marks the connection busy.
         self._idle_since = None
 
+    def on_message_begin(self) -> None:
+        # A request that came in the same read as the answer before it: busy again.
+        self._idle_since = None
+        super().on_message_begin()
+
     def on_response_complete(self) -> None:
         """uvicorn's, arming the keep-alive timer only when none is armed."""
         self.server_state.total_requests += 1
@@ -120,7 +126,9 @@ class OneWriteHttpToolsProtocol(HttpToolsProtocol):
         if self._idle_since is None or self.transport.is_closing():
             return  # busy: its next answer arms the timer again
         left = self._idle_since + self.timeout_keep_alive - self.loop.time()
-        if left > 0:
+        # uvloop's timers count whole milliseconds and may fire a little early: one armed for
+        # less than that would fire again at once, every iteration until the clock ticks.
+        if left > 0.001:
             self._arm_keep_alive(left)
         else:
             self.timeout_keep_alive_handler()
