@@ -216,6 +216,9 @@ def test_the_built_in_workload_is_the_documented_cut() -> None:
     assert sorted(set(conversations.values())) == [4]
     assert len(conversations) == 48
     assert trace[0].timestamp_ms == 0
+    # What the policy comparison below replays: 29 conversations, 19 of their later turns.
+    first = [request.hash_ids[1] for request in trace[:48]]
+    assert (len(set(first)), len(first) - len(set(first))) == (29, 19)
 
 
 def test_the_demo_compares_the_policies_and_ctrl_c_while_serving_is_a_clean_end() -> None:
