@@ -14,10 +14,9 @@ uvicorn also cancels a connection's keep-alive timer on every read and arms a ne
 every answer: a timer made, scheduled and cancelled per request, 8-10 µs of the router's CPU
 per ``/route`` (its thread's CPU, measured by part). Here one timer per connection is armed
 once and stays armed: a read or a request marks the connection busy, an answer notes when it
-went idle, and
-the timer, when it fires, closes a connection idle for the whole timeout, or is armed again for
-what is left of it (a busy one: by its next answer). The timeout counts from the last answer,
-as uvicorn's does.
+went idle, and the timer, when it fires, closes a connection idle for the whole timeout, or is
+armed again for what is left of it (a busy one: by its next answer). The timeout counts from
+the last answer, as uvicorn's does.
 """
 
 from __future__ import annotations
