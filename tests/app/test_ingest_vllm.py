@@ -633,7 +633,12 @@ async def test_the_router_routes_to_the_vllm_worker_holding_the_prompt(
                     index = runtime.index
                     return {w: index.worker_blocks(w) for w in expected if w in index.workers()}
 
-                await eventually(lambda: router_index() == expected)
+                # The index and the workers' registry reach the core by different tasks.
+                await eventually(
+                    lambda: (
+                        router_index() == expected and set(expected) <= set(runtime.core.workers)
+                    )
+                )
                 assert {w: i.local_blocks() for w, i in ingests.items()} == expected
                 for prompt, worker, cached in ((prompt_a, "vllm-a", 16), (prompt_b, "vllm-b", 12)):
                     response = await router.post("/route", json={"prompt_token_ids": prompt})

@@ -234,10 +234,12 @@ def test_two_router_processes_choose_as_one(embedded_redis: EmbeddedRedis) -> No
             thread.start()
             threads.append(thread)
             asyncio.run(asyncio.sleep(0.03))
-        # While they run, each router counts the other's requests.
-        seen_a, seen_b = _inflight(routers["ra"][0]), _inflight(routers["rb"][0])
-        assert sum(v["running"] for v in seen_a.values()) > 0
-        assert sum(v["running"] for v in seen_b.values()) > 0
+
+        # While they run, each router counts the other's requests (shared through Redis: soon).
+        def running(name: str) -> int:
+            return sum(v["running"] for v in _inflight(routers[name][0]).values())
+
+        wait_for(lambda: running("ra") > 0 and running("rb") > 0)
         routers["ra"][1].send_signal(signal.SIGKILL)  # mid-burst
         for thread in threads:
             thread.join(timeout=60)
