@@ -31,10 +31,13 @@ PROMPT = list(range(100, 200))  # 100 tokens: 6 full blocks of 16
 
 @contextlib.asynccontextmanager
 async def two_workers(redis_url: str) -> AsyncIterator[None]:
-    """w0 and w1 in-process; w0 has served PROMPT, so it holds the prefix."""
+    """w0 and w1 in-process; w0 has served PROMPT, so it holds the prefix. Their heartbeats last
+    6 s, not the tests' usual 2: they beat on the event loop the routers and the test share. On a
+    busy CI host a router once dropped w0 in the middle of a check, most likely after a stall of
+    over 1.3 s (two beats missed)."""
     async with (
-        worker_client(worker_settings(redis_url, worker_id="w0")) as (w0, _),
-        worker_client(worker_settings(redis_url, worker_id="w1")),
+        worker_client(worker_settings(redis_url, worker_id="w0", heartbeat_ttl_s=6.0)) as (w0, _),
+        worker_client(worker_settings(redis_url, worker_id="w1", heartbeat_ttl_s=6.0)),
     ):
         assert (await w0.post("/v1/completions", json={"prompt": PROMPT})).status_code == 200
         yield
