@@ -57,6 +57,9 @@ NOT_RUN = {
     ("docs/benchmarks.md", ".venv/bin/kvmesh bench worker --json"): _BENCH,
     ("docs/benchmarks.md", ".venv/bin/kvmesh bench router --json"): _BENCH,
     ("docs/benchmarks.md", ".venv/bin/kvmesh bench ingest --json"): _BENCH,
+    ("docs/benchmarks.md", ".venv/bin/python tools/cold_route.py"): (
+        "a minute (a benchmark); tests/test_tools_cold_route.py runs it smaller"
+    ),
     (
         "docs/benchmarks.md",
         ".venv/bin/kvmesh replay --trace benchmarks/traces/mooncake_conversation.jsonl.gz "
