@@ -42,11 +42,14 @@ def test_a_small_run_times_every_stage_in_every_mode() -> None:
     found = [STAGE_LINE.fullmatch(line) for line in lines]
     assert all(found), lines
     assert [m.group(1) for m in found if m] == ["hot", "l2", "cold"]
+    totals = []
     for m in found:
         assert m is not None
         stages = [float(m.group(k)) for k in range(2, 8)]
         assert min(stages) > 0
         assert abs(float(m.group(8)) - (sum(stages) - stages[3])) <= 0.35  # six roundings
+        totals.append(float(m.group(8)))
+    assert totals[2] > totals[0]  # the flush works: cold is about twice hot
 
 
 def test_calls_times_each_kind_in_every_mode() -> None:
