@@ -13,7 +13,7 @@ once unless something is pending before it.
 uvicorn also cancels a connection's keep-alive timer on every read and arms a new one after
 every answer: a timer made, scheduled and cancelled per request, 8-10 µs of the router's CPU
 per ``/route`` (its thread's CPU, measured by part). Here one timer per connection is armed
-once and stays armed: a read or a request marks the connection busy, an answer notes when it
+once and stays armed: a request's start marks the connection busy, an answer notes when it
 went idle, and the timer, when it fires, closes a connection idle for the whole timeout, or is
 armed again for what is left of it (a busy one: by its next answer). The timeout counts from
 the last answer, as uvicorn's does.
@@ -94,12 +94,13 @@ class OneWriteHttpToolsProtocol(HttpToolsProtocol):
             self.timeout_keep_alive_task = None
 
     def _unset_keepalive_if_required(self) -> None:
-        # uvicorn's cancels the timer (on every read); this marks the connection busy.
-        self._idle_since = None
+        # uvicorn's cancels the timer on every read. A read makes nothing busy here: a request's
+        # start does (``on_message_begin``), also one in the same read as the answer before it,
+        # and a stray byte between requests does not keep the connection open for ever.
+        pass
 
     def on_message_begin(self) -> None:
-        # A request that came in the same read as the answer before it: busy again.
-        self._idle_since = None
+        self._idle_since = None  # busy until its answer
         super().on_message_begin()
 
     def on_response_complete(self) -> None:

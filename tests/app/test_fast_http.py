@@ -196,6 +196,16 @@ async def test_the_keep_alive_timeout_counts_from_the_last_answer_on_either_path
     assert 0.8 < idle < 3.0, idle
 
 
+async def test_a_stray_line_end_between_requests_does_not_keep_the_connection_open() -> None:
+    """A read is not a request: an empty line after an answer (which HTTP lets a client send)
+    leaves the connection idle, and the keep-alive timeout closes it."""
+    async with _serving(keep_alive_s=0.3) as (reader, writer):
+        writer.write(_post(b'{"fast": true, "n": 7}'))
+        assert await _answer(reader) == (200, b'{"path":"fast","n":7}')
+        writer.write(b"\r\n")
+        assert await asyncio.wait_for(reader.read(), 10) == b""  # closed by the server
+
+
 async def test_a_request_in_the_same_read_as_an_answer_keeps_the_connection_busy() -> None:
     """The fast route answers the first at once, which leaves the connection idle; the second,
     read with it, is the ASGI app's and takes longer than the keep-alive timeout: its start
