@@ -128,6 +128,16 @@ class ArrayTable:
         slots, depths = out[:2, :k].tolist()
         return slots, depths, []
 
+    def match_raw(
+        self, block_hashes: U64Array, monotone: bool
+    ) -> tuple[npt.NDArray[np.int64], int]:
+        """`match` with tiers, as the kernel leaves it: (out, k), ``out[0, :k]`` the slots,
+        ``out[1, :k]`` the depths, ``out[2, :k]`` the host blocks. `out` is the table's own,
+        written again by the next match: read it first."""
+        out = self._out
+        k = kernels.match(self._rows, self._meta, block_hashes, self._alive, out, True, monotone)
+        return out, k
+
     def blocks_of(self, slot: int) -> dict[int, int]:
         keys, on_host, _ = kernels.blocks_of(self._rows, slot)
         return dict(zip(keys.tolist(), on_host.tolist(), strict=True))

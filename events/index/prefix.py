@@ -36,6 +36,9 @@ from functools import reduce
 from operator import or_
 from typing import Any, Final, NoReturn
 
+import numpy as np
+import numpy.typing as npt
+
 from cache import (
     CreatedData,
     KVCacheEvent,
@@ -116,6 +119,7 @@ class PrefixIndex:
         "_windows",
         "compiled",
         "num_unknown_block_refs",
+        "slots_version",
     )
 
     def __init__(self, *, assume_monotone: bool = False, compiled: bool | None = None) -> None:
@@ -134,6 +138,7 @@ class PrefixIndex:
         self._monotone = assume_monotone
         # Removed/updated events that named a block the worker did not hold.
         self.num_unknown_block_refs = 0
+        self.slots_version = 0  # counts the changes of which worker has which slot
 
     # -- workers -------------------------------------------------------------------------------
 
@@ -163,6 +168,7 @@ class PrefixIndex:
             self._names.append(worker_id)
             self._windows.append(0)
         self._slots[worker_id] = slot
+        self.slots_version += 1
         self._table.set_alive(slot, True)
 
     def remove_worker(self, worker_id: str) -> bool:
@@ -174,6 +180,7 @@ class PrefixIndex:
         self._table.set_alive(slot, False)
         self._names[slot] = ""
         self._free_slots.append(slot)
+        self.slots_version += 1
         return True
 
     # -- events --------------------------------------------------------------------------------
@@ -326,6 +333,21 @@ class PrefixIndex:
             names[slot]: (depth, depth - on_host)
             for slot, depth, on_host in zip(slots, depths, host, strict=True)
         }
+
+    def match_slots(self, block_hashes: U64Array) -> tuple[npt.NDArray[np.int64], int] | None:
+        """`find_matches_by_tier` as the compiled table leaves it, for a caller that reads it
+        in its own kernel: (out, k), ``out[0, :k]`` worker slots (`slot_names`), ``out[1, :k]``
+        their depths, ``out[2, :k]`` how many of those blocks are on the host tier. `out` is
+        the index's own and the next match writes it again. None with the pure-Python table.
+        """
+        if _ArrayTable is None or not isinstance(self._table, _ArrayTable):
+            return None
+        return self._table.match_raw(block_hashes, self._monotone)
+
+    def slot_names(self) -> list[str]:
+        """Worker id by slot ("" for a free slot): what `match_slots`' slots name. A copy; it
+        changes when `slots_version` does."""
+        return list(self._names)
 
     # -- state ---------------------------------------------------------------------------------
 
