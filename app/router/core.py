@@ -17,6 +17,8 @@ responses; replay from its in-process cluster. The core owns:
   at most the worker's capacity in blocks is kept, the least recently sent dropped first (an
   approximate prefix tree, as Dynamo's ``--no-kv-events`` keeps);
 * the policy state (seeded random generator, round-robin position);
+* the fleet table (``app.router.fleet``): the views' load and speed terms as arrays, on which
+  ``decide`` makes kv_aware's decisions in one compiled call where it can;
 * sessions: the worker each session's last request went to (``x-session-id`` or OpenAI's
   ``user``), for kv_aware's soft affinity, the most recent ``MAX_SESSIONS`` kept.
 
@@ -41,6 +43,7 @@ from typing import Any
 
 import numpy.typing as npt
 
+from app.router.fleet import FleetTable
 from app.router.policies import (
     Candidate,
     Decision,
@@ -49,6 +52,9 @@ from app.router.policies import (
     Weights,
     policy_named,
 )
+from app.router.policies.kv_aware import POLICY as KV_AWARE
+from app.router.policies.kv_aware import config as kv_aware_config
+from app.router.predicted import Generation, approximate_depth, predicted_depth
 from app.router.views import InFlight, RoutingState, WorkerView
 from cache import cache_salt_id
 from cache.hashing import U64Array, block_hash_array
@@ -59,60 +65,6 @@ __all__ = ["InFlight", "NoWorkerError", "RouterCore", "RoutingState", "WorkerVie
 _NO_MATCH = (0, 0)
 Tokens = Sequence[int] | npt.NDArray[Any]
 MAX_SESSIONS = 100_000
-
-
-def _predicted_depth(
-    block_hashes: Sequence[int],
-    depth: int,
-    newer: _Generation | None,
-    older: _Generation | None,
-) -> int:
-    """``depth`` extended by the blocks predicted (in either generation) after it."""
-    num_blocks = len(block_hashes)
-    newer_blocks = newer.blocks if newer is not None else ()
-    older_blocks = older.blocks if older is not None else ()
-    while depth < num_blocks:
-        block_hash = block_hashes[depth]
-        if block_hash in newer_blocks or block_hash in older_blocks:
-            depth += 1
-        else:
-            break
-    return depth
-
-
-def _approximate_depth(
-    block_hashes: Sequence[int], depth: int, now: float, predicted: dict[int, float]
-) -> int:
-    """``depth`` extended by the blocks predicted to an approximate worker and unexpired."""
-    num_blocks = len(block_hashes)
-    while depth < num_blocks and predicted.get(block_hashes[depth], 0.0) > now:
-        depth += 1
-    return depth
-
-
-class _Generation:
-    """The blocks predicted to one worker during one generation (``_purge``), and the last
-    block of each chain that put them there: chained hashes make the last block name the
-    whole chain, so a prompt sent again in the same generation (a retry, ``n`` samples, an
-    evaluation's fixed prompts) costs one set probe instead of 256 inserts."""
-
-    __slots__ = ("blocks", "leaves")
-
-    def __init__(self) -> None:
-        self.blocks: set[int] = set()
-        self.leaves: set[int] = set()
-
-    def add(self, block_hashes: Sequence[int]) -> None:
-        leaf = block_hashes[-1]
-        if leaf not in self.leaves:
-            self.blocks.update(block_hashes)
-            self.leaves.add(leaf)
-
-    def discard(self, block_hashes: Sequence[int]) -> None:
-        self.blocks.difference_update(block_hashes)
-        # Another chain may have shared those blocks: a chain whose leaf stays known would
-        # not put them back when predicted again.
-        self.leaves.clear()
 
 
 class NoWorkerError(Exception):
@@ -156,11 +108,12 @@ class RouterCore:
         # worker -> what was predicted to it since the last rotation, and in the generation
         # before (see ``_purge``); an approximate worker's: block hash -> expiry, ordered by
         # recency, and the expiries in the order they come.
-        self._newer: dict[str, _Generation] = {}
-        self._older: dict[str, _Generation] = {}
+        self._newer: dict[str, Generation] = {}
+        self._older: dict[str, Generation] = {}
         self._rotate_at = -math.inf
         self._approx: dict[str, OrderedDict[int, float]] = {}
         self._approx_expiries: deque[tuple[float, str, Sequence[int]]] = deque()
+        self._fleet = FleetTable()  # kv_aware's compiled decision (``decide``)
 
     # -- workers -------------------------------------------------------------------------------
 
@@ -178,12 +131,16 @@ class RouterCore:
     ) -> WorkerView:
         view = self.workers.get(worker)
         if view is None:
-            view = self.workers[worker] = WorkerView(worker)
+            view = self.workers[worker] = WorkerView(worker, watched_by=self._fleet.dirty)
             self._order = sorted(self.workers)
             self._recount(view)  # back after a lapse: its requests still in flight count
+            self._fleet.invalidate()
         view.url = url
         if model != view.model:
             self._named = None
+            self._fleet.invalidate()
+        if draining != view.draining or cordon != view.cordon:
+            self._fleet.invalidate()  # whether it admits requests
         view.model = model
         view.foreign = foreign
         view.approximate = approximate
@@ -215,6 +172,7 @@ class RouterCore:
         if self.workers.pop(worker, None) is not None:
             self._order = sorted(self.workers)
             self._named = None
+            self._fleet.invalidate()
         for predictions in (self._newer, self._older, self._approx):
             predictions.pop(worker, None)
 
@@ -289,9 +247,9 @@ class RouterCore:
             newer = predictions.get(worker) if predictions else None
             before = older.get(worker) if older else None
             if newer is not None or before is not None:
-                depth = _predicted_depth(block_hashes, depth, newer, before)
+                depth = predicted_depth(block_hashes, depth, newer, before)
             if approx and worker in approx:
-                depth = _approximate_depth(block_hashes, depth, now, approx[worker])
+                depth = approximate_depth(block_hashes, depth, now, approx[worker])
             out.append(
                 view.candidate(
                     depth,
@@ -324,6 +282,28 @@ class RouterCore:
         ``block_hashes`` (and ``hash_array``, see ``candidates``), among ``model``'s workers.
         Changes nothing but the policy state; ``begin`` records the choice."""
         chosen = policy_named(policy or self.policy)
+        weights = weights or self.weights
+        request = RouteRequest(
+            num_tokens, self.tokens_per_block, block_hashes[-1] if block_hashes else num_tokens
+        )
+        if self._newer or self._older or self._approx:
+            self._purge(self.clock())
+        # kv_aware in one compiled call (``app.router.fleet``) where it covers the request;
+        # predicted blocks extend a worker's match block by block, in the candidates' path.
+        if chosen is KV_AWARE and not exclude and not (self._newer or self._older or self._approx):
+            decision = self._fleet.kv_aware(
+                self._order,
+                self.workers,
+                self.index,
+                request,
+                block_hashes if hash_array is None else hash_array,
+                kv_aware_config(weights),
+                self.state,
+                model,
+                self.sessions.get(session) if session is not None else None,
+            )
+            if decision is not None:
+                return decision
         candidates = self.candidates(
             block_hashes,
             exclude=exclude,
@@ -334,10 +314,7 @@ class RouterCore:
         )
         if not candidates:
             raise NoWorkerError(self._why_none(exclude, model))
-        request = RouteRequest(
-            num_tokens, self.tokens_per_block, block_hashes[-1] if block_hashes else num_tokens
-        )
-        return chosen(request, candidates, weights or self.weights, self.state)
+        return chosen(request, candidates, weights, self.state)
 
     def _why_none(self, exclude: Iterable[str], model: str | None = None) -> str:
         """Why no worker can take a request, in the words of a 503."""
@@ -520,7 +497,7 @@ class RouterCore:
         self._purge(self.clock())  # into the generation of now
         generation = self._newer.get(worker)
         if generation is None:
-            generation = self._newer[worker] = _Generation()
+            generation = self._newer[worker] = Generation()
         generation.add(block_hashes)
 
     def _predict_approximate(self, view: WorkerView, block_hashes: Sequence[int]) -> None:

@@ -41,6 +41,9 @@ class WorkerView:
     _terms: tuple[int, int, int, int] | None = None
     _speed: tuple[float, float, float, int] | None = None  # parsed from load; see speed_terms
     _candidates: dict[tuple[int, int, bool, int], Candidate] = field(default_factory=dict)
+    # Its core's set of the views whose rows of the fleet table are out of date
+    # (``app.router.fleet``): ``changed`` adds this one.
+    watched_by: set[str] | None = field(default=None, repr=False, compare=False)
 
     def load_terms(self) -> tuple[int, int, int, int]:
         """(queued prefill tokens, running, active blocks, free blocks): the worker's report
@@ -55,6 +58,8 @@ class WorkerView:
         """Its load, capacity or freshness changed: the cached terms are read again."""
         self._terms = None
         self._candidates.clear()
+        if self.watched_by is not None:
+            self.watched_by.add(self.worker)
 
     def set_load(self, load: dict[str, int]) -> None:
         """The worker's new load report: a new dict each time (one changed in place and given

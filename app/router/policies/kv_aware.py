@@ -53,10 +53,10 @@ from app.router.policies.base import (
     softmax_pick,
 )
 
-__all__ = ["POLICY", "KvAwareConfig", "kv_aware"]
+__all__ = ["MEMORY_PENALTY_PROMPTS", "POLICY", "KvAwareConfig", "kv_aware"]
 
 # A worker that cannot fit the request without evicting in-use blocks pays this many prompts.
-_MEMORY_PENALTY_PROMPTS: Final = 4.0
+MEMORY_PENALTY_PROMPTS: Final = 4.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,7 +89,7 @@ def kv_aware(
     most_cached = max(num_tokens - 1, 0)  # the last prompt token is always computed
     need_blocks = -(-num_tokens // tpb)
     w_load, w_decode, w_host = config.load, config.decode, config.host_hit
-    penalty = _MEMORY_PENALTY_PROMPTS * num_tokens
+    penalty = MEMORY_PENALTY_PROMPTS * num_tokens
     affinity = config.session * num_tokens
     # Seconds -> prefill tokens at the fastest reported speed (0 when none reports one: then
     # every candidate is costed in tokens).

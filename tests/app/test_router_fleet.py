@@ -1,0 +1,186 @@
+"""``app.router.fleet``: kv_aware's compiled decision makes the Python policy's decisions, costs
+included, over random fleets, and follows every change of a worker's view."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from app.router import fleet
+from app.router.core import RouterCore
+from app.router.policies import Decision, Weights
+from cache import KVCacheEvent, StoredBlock, StoredData, block_hashes_for_tokens
+from events.index import PrefixIndex
+
+TPB = 16
+
+pytestmark = pytest.mark.skipif(not fleet.compiled(), reason="needs numba")
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+    """How many decisions the kernel made (the compiled path taken, not the fallback)."""
+    calls: list[int] = []
+    real = fleet._kernel
+
+    def counted(*args: Any) -> int:
+        calls.append(1)
+        result: int = real(*args)
+        return result
+
+    monkeypatch.setattr(fleet, "_kernel", counted)
+    yield calls
+
+
+def python_decision(monkeypatch: pytest.MonkeyPatch, decide: Callable[[], Decision]) -> Decision:
+    """The same decision by the candidates and the Python policy (the kernel taken away)."""
+    with monkeypatch.context() as patch:
+        patch.setattr(fleet, "_kernel", None)
+        return decide()
+
+
+def random_load(rng: random.Random) -> dict[str, int]:
+    load = {
+        "free_blocks_0": rng.choice([0, 3, 40, 500, 10_000]),
+        "used_blocks_0": rng.randrange(0, 400),
+        "running_requests": rng.randrange(0, 40),
+        "waiting_requests": rng.choice([0, 0, 3]),
+    }
+    if rng.random() < 0.7:  # a worker that reports its speed
+        load |= {
+            "step_overhead_us": rng.choice([0, 900, 3_000]),
+            "prefill_ns_per_token": rng.choice([15_000, 40_000, 90_000, 40_000]),
+            "decode_ns_per_sequence": rng.choice([0, 100_000, 250_000]),
+            "max_tokens_per_step": rng.choice([0, 8, 512, 8_192]),
+        }
+    return load
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def build(rng: random.Random, num_workers: int, clock: Clock) -> tuple[RouterCore, list[list[int]]]:
+    """A core over ``num_workers`` workers holding random prefixes of a few shared prompts."""
+    index = PrefixIndex()
+    core = RouterCore(
+        index, tokens_per_block=TPB, seed=rng.randrange(1 << 32), predict_ttl_s=1.0, clock=clock
+    )
+    prompts = [[rng.randrange(50_000) for _ in range(TPB * 40)] for _ in range(4)]
+    for i in rng.sample(range(40), num_workers):  # ids out of order: slots unlike positions
+        worker = f"w{i:02d}"
+        core.upsert_worker(
+            worker,
+            url=f"http://{worker}",
+            capacity_blocks=10_000,
+            model=rng.choice([None, "a", "b"]),
+            draining=rng.random() < 0.1,
+        )
+        core.set_load(worker, random_load(rng))
+        for prompt in rng.sample(prompts, 2):
+            store(index, worker, prompt[: rng.randrange(0, len(prompt) + 1)], rng)
+    return core, prompts
+
+
+def store(index: PrefixIndex, worker: str, tokens: list[int], rng: random.Random) -> None:
+    """``worker`` holds the full blocks of ``tokens``, each on the GPU or the host tier."""
+    hashes = block_hashes_for_tokens(tokens, TPB)
+    blocks = [
+        StoredBlock(h, tuple(tokens[j * TPB : (j + 1) * TPB]), cache_level=rng.choice([0, 1]))
+        for j, h in enumerate(hashes)
+    ]
+    if blocks:
+        index.apply_event(worker, KVCacheEvent(1, StoredData(None, blocks), 1 << 20))
+
+
+def request(rng: random.Random, prompts: list[list[int]]) -> list[int]:
+    prompt = rng.choice(prompts)
+    tokens = prompt[: rng.randrange(1, len(prompt) + 1)]
+    return tokens + [rng.randrange(50_000) for _ in range(rng.choice([0, 0, 5, 100]))]
+
+
+def random_weights(rng: random.Random) -> Weights:
+    return Weights(
+        load=rng.choice([0.1, 0.0, 1.0, 0.37]),
+        decode=rng.choice([8.0, 0.0, 2.5]),
+        host_hit=rng.choice([0.25, 0.0, 1.0]),
+        session=rng.choice([0.1, 0.0, 0.6]),
+    )
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_kernel_decides_as_the_python_policy(
+    seed: int, monkeypatch: pytest.MonkeyPatch, kernel_calls: list[int]
+) -> None:
+    rng = random.Random(seed)
+    clock = Clock()
+    core, prompts = build(rng, rng.choice([1, 2, 5, 16, 33]), clock)
+    for turn in range(60):
+        tokens = request(rng, prompts)
+        hashes = core.hashes(tokens)
+        hash_array = core.hash_array(tokens) if rng.random() < 0.5 else None
+        session = rng.choice([None, "s1", "s2"])
+        model = rng.choice([None, None, "a", "b"])
+        weights = random_weights(rng)
+
+        def decide(
+            hashes: list[int] = hashes,
+            n: int = len(tokens),
+            array: Any = hash_array,
+            session: str | None = session,
+            model: str | None = model,
+            weights: Weights = weights,
+        ) -> Decision:
+            return core.decide(
+                hashes, n, weights=weights, session=session, model=model, hash_array=array
+            )
+
+        if not any(
+            v.admitting and (model is None or v.model in (None, model))
+            for v in core.workers.values()
+        ):
+            continue  # no worker: both paths raise NoWorkerError (the fallback's)
+        before = len(kernel_calls)
+        compiled = decide()
+        assert len(kernel_calls) == before + 1
+        assert compiled == python_decision(monkeypatch, decide), (seed, turn)
+        # Views change between decisions: a new load, a request sent and ended, a worker stale.
+        worker = rng.choice(sorted(core.workers))
+        change = rng.randrange(6)
+        if change == 0:
+            core.set_load(worker, random_load(rng))
+        elif change == 1:
+            core.begin(f"r{turn}", compiled, hashes, len(tokens), session=session)
+            # Its predicted blocks send the next decisions to the candidates' path, the same
+            # decisions (a test of the core), until they expire.
+            clock.now += 3.0
+        elif change == 2:
+            core.set_stale(worker, rng.choice([None, "lagging"]))
+        elif change == 3:
+            view = core.workers[worker]
+            core.upsert_worker(
+                worker,
+                url=view.url,
+                capacity_blocks=view.capacity_blocks,
+                draining=rng.random() < 0.3,
+                model=view.model,
+            )
+        elif change == 4 and len(core.workers) > 1:  # gone, and back without its blocks
+            view = core.workers[worker]
+            core.remove_worker(worker)
+            core.index.remove_worker(worker)
+            core.upsert_worker(worker, url=view.url, capacity_blocks=10_000, model=view.model)
+            core.set_load(worker, random_load(rng))
+            decide()  # the table without it in the index; then its first event gives it a slot
+            store(core.index, worker, rng.choice(prompts)[: TPB * rng.randrange(1, 40)], rng)
+        else:
+            for request_id in list(core.inflight)[: rng.randrange(3)]:
+                core.prefilled(request_id)
+                core.finish(request_id)
