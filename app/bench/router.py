@@ -11,10 +11,13 @@ the encoded stream as a consumer builds it (``build_streaming``), every worker r
 its capacity and load. Timed per request, after one untimed pass over all of them:
 ``decision_*`` = ``core.hashes(tokens)`` + ``core.decide(hashes, len(tokens))``, the whole path
 from token list to choice. The break-down, each in its own pass: ``hash_*`` (``core.hashes``),
-``match_*`` (``index.find_matches_by_tier``), ``candidates_*`` (``core.candidates``: the match
-plus one ``Candidate`` per worker) and ``policy_*`` (``choose`` on those candidates). The chat
-case (``chat_*``, ``app.bench.chat``): a 4,096-token conversation rendered with a model's chat
-template, tokenized, hashed and decided, each stage timed.
+``match_*`` (``index.find_matches_by_tier``), ``decide_*`` (``core.decide`` on the hashes as
+the router service gives them, a list and its uint64 array: the match, then kv_aware in one
+compiled call, ``app.router.fleet``), and the path that call replaces (the one other policies,
+predictions and exclusions take): ``candidates_*`` (``core.candidates``: the match plus one
+``Candidate`` per worker) and ``policy_*`` (``choose`` on those). The chat case (``chat_*``,
+``app.bench.chat``): a 4,096-token conversation rendered with a model's chat template,
+tokenized, hashed and decided, each stage timed.
 
 HTTP part: a private ``redis-server`` (never ``$REDIS_URL``: a shared Redis would bring its own
 workers into the router's view). A child process runs 16 ``EventPublisher``s, one per worker
@@ -151,6 +154,11 @@ def measure_decision(core: RouterCore, requests: list[list[int]]) -> dict[str, A
     decision_p50, decision_p99 = _time_us(decision, requests)
     hash_p50, hash_p99 = _time_us(core.hashes, requests)
     match_p50, match_p99 = _time_us(core.index.find_matches_by_tier, hashes)
+    arrays = [core.hash_array(tokens) for tokens in requests]
+    decide_p50, decide_p99 = _time_us(
+        lambda k: core.decide(hashes[k], len(requests[k]), hash_array=arrays[k]),
+        range(len(requests)),
+    )
     candidates_p50, _ = _time_us(core.candidates, hashes)
     policy_p50, policy_p99 = _time_us(policy, range(len(requests)))
     return {
@@ -160,6 +168,8 @@ def measure_decision(core: RouterCore, requests: list[list[int]]) -> dict[str, A
         "hash_p99_us": hash_p99,
         "match_p50_us": match_p50,
         "match_p99_us": match_p99,
+        "decide_p50_us": decide_p50,
+        "decide_p99_us": decide_p99,
         "candidates_p50_us": candidates_p50,
         "policy_p50_us": policy_p50,
         "policy_p99_us": policy_p99,

@@ -18,6 +18,7 @@ KEYS = {
     "decision_p99_us",
     "hash_p50_us",
     "match_p50_us",
+    "decide_p50_us",
     "candidates_p50_us",
     "policy_p50_us",
     "http_p50_ms",
