@@ -113,7 +113,7 @@ class RouterCore:
         self._rotate_at = -math.inf
         self._approx: dict[str, OrderedDict[int, float]] = {}
         self._approx_expiries: deque[tuple[float, str, Sequence[int]]] = deque()
-        self._fleet = FleetTable()  # kv_aware's compiled decision (``decide``)
+        self._fleet = FleetTable(self.workers)  # kv_aware's compiled decision (``decide``)
 
     # -- workers -------------------------------------------------------------------------------
 
@@ -131,7 +131,7 @@ class RouterCore:
     ) -> WorkerView:
         view = self.workers.get(worker)
         if view is None:
-            view = self.workers[worker] = WorkerView(worker, watched_by=self._fleet.dirty)
+            view = self.workers[worker] = WorkerView(worker, fleet_dirty=self._fleet.dirty)
             self._order = sorted(self.workers)
             self._recount(view)  # back after a lapse: its requests still in flight count
             self._fleet.invalidate()
@@ -225,11 +225,7 @@ class RouterCore:
         declares so: ``needs_tree_sizes``); ``session``'s last worker is marked.
         ``hash_array``: ``block_hashes`` as ``hash_array`` gives them (the same hashes, the
         caller's to keep so), for the index's match."""
-        now = 0.0
-        if self._newer or self._older or self._approx:
-            now = self.clock()
-            self._purge(now)
-        predictions, older, approx = self._newer, self._older, self._approx
+        now = self._purged_now()
         skip = set(exclude) if exclude else ()
         held = block_hashes if hash_array is None else hash_array
         matches = self.index.find_matches_by_tier(held) if block_hashes else {}
@@ -243,13 +239,8 @@ class RouterCore:
                 continue
             depth, gpu = matches.get(worker, _NO_MATCH)
             host = depth - gpu
-            # Predicted blocks count as GPU blocks: they were just made.
-            newer = predictions.get(worker) if predictions else None
-            before = older.get(worker) if older else None
-            if newer is not None or before is not None:
-                depth = predicted_depth(block_hashes, depth, newer, before)
-            if approx and worker in approx:
-                depth = approximate_depth(block_hashes, depth, now, approx[worker])
+            if now is not None:
+                depth = self._predicted_depth(worker, block_hashes, depth, now)
             out.append(
                 view.candidate(
                     depth,
@@ -259,6 +250,29 @@ class RouterCore:
                 )
             )
         return out
+
+    def _purged_now(self) -> float | None:
+        """The clock's time, the predictions purged to it; None (not read) when there are
+        none, and no depth to extend."""
+        if not (self._newer or self._older or self._approx):
+            return None
+        now = self.clock()
+        self._purge(now)
+        return now
+
+    def _predicted_depth(
+        self, worker: str, block_hashes: Sequence[int], depth: int, now: float
+    ) -> int:
+        """``worker``'s index ``depth`` for a request extended by the blocks predicted to it
+        (they count as GPU blocks: they were just made)."""
+        newer = self._newer.get(worker)
+        before = self._older.get(worker)
+        if newer is not None or before is not None:
+            depth = predicted_depth(block_hashes, depth, newer, before)
+        approx = self._approx.get(worker)
+        if approx:
+            depth = approximate_depth(block_hashes, depth, now, approx)
+        return depth
 
     def _num_cached(self, worker: str) -> int:
         try:
@@ -286,21 +300,9 @@ class RouterCore:
         request = RouteRequest(
             num_tokens, self.tokens_per_block, block_hashes[-1] if block_hashes else num_tokens
         )
-        if self._newer or self._older or self._approx:
-            self._purge(self.clock())
-        # kv_aware in one compiled call (``app.router.fleet``) where it covers the request;
-        # predicted blocks extend a worker's match block by block, in the candidates' path.
-        if chosen is KV_AWARE and not exclude and not (self._newer or self._older or self._approx):
-            decision = self._fleet.kv_aware(
-                self._order,
-                self.workers,
-                self.index,
-                request,
-                block_hashes if hash_array is None else hash_array,
-                kv_aware_config(weights),
-                self.state,
-                model,
-                self.sessions.get(session) if session is not None else None,
+        if chosen is KV_AWARE and not exclude:  # in one compiled call where it covers it
+            decision = self._compiled_kv_aware(
+                block_hashes, hash_array, request, weights, model, session
             )
             if decision is not None:
                 return decision
@@ -315,6 +317,38 @@ class RouterCore:
         if not candidates:
             raise NoWorkerError(self._why_none(exclude, model))
         return chosen(request, candidates, weights, self.state)
+
+    def _compiled_kv_aware(
+        self,
+        block_hashes: Sequence[int],
+        hash_array: U64Array | None,
+        request: RouteRequest,
+        weights: Weights,
+        model: str | None,
+        session: str | None,
+    ) -> Decision | None:
+        """kv_aware's decision by the fleet table (``app.router.fleet``), the candidates'
+        rules and predictions included; None where the table does not cover it."""
+        now = self._purged_now()
+        predicted: set[str] | tuple[()] = ()
+        if now is not None:
+            predicted = {*self._newer, *self._older, *self._approx}
+
+        def extend(worker: str, depth: int) -> int:
+            assert now is not None  # called only for the predicted workers
+            return self._predicted_depth(worker, block_hashes, depth, now)
+
+        return self._fleet.kv_aware(
+            self.index,
+            request,
+            block_hashes if hash_array is None else hash_array,
+            kv_aware_config(weights),
+            self.state,
+            model,
+            self.sessions.get(session) if session is not None else None,
+            predicted,
+            extend,
+        )
 
     def _why_none(self, exclude: Iterable[str], model: str | None = None) -> str:
         """Why no worker can take a request, in the words of a 503."""

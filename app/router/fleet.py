@@ -7,23 +7,24 @@ At 1,000 requests a second the candidates and the policy (per worker and request
 between requests (``tools/cold_route.py``). The table keeps each worker's terms in a float64
 row, written again only when its view changes (``WorkerView.changed`` names it in ``dirty``),
 and one numba kernel does what ``RouterCore.candidates`` and ``kv_aware`` do for a request:
-the index's match spread over the workers, each eligible worker costed, the lowest found.
+the index's match spread over the workers, each eligible worker costed, the lowest found. The
+depth of a worker with predicted blocks is extended in Python, as the candidates extend it
+(only those workers: after a burst, a few), and handed to the kernel.
 
 The kernel does kv_aware's arithmetic operation for operation, in the same order, on IEEE
-doubles, converting Python's ints where Python converts them (every term is an integer far
-below 2**53, exact as a double): the costs are the same floats, and the decision the same.
-``kv_aware`` stays the reference. The core takes this path only for what it covers
-(``RouterCore.decide``): kv_aware at temperature 0 with float weights, nothing excluded, no
-predicted blocks pending, the compiled index; a tie goes to ``lowest`` (Python's seeded
-choice). A test holds the two paths to the same decisions over random fleets.
+doubles, converting Python's ints where Python converts them: the costs are the same floats,
+and the decision the same. That holds while every integer term is exact as a double (below
+2**53): a worker whose report says more leaves the decisions to the Python path until it says
+less. ``kv_aware`` stays the reference, and the core takes this path only for what it covers
+(``RouterCore.decide``): kv_aware at temperature 0, nothing excluded, the compiled index; a
+tie goes to ``lowest`` (Python's seeded choice). A test holds the two paths
+to the same decisions over random fleets.
 """
 
 from __future__ import annotations
 
 import math
-from array import array
-from collections.abc import Sequence
-from functools import lru_cache
+from collections.abc import Callable, Collection, Sequence
 from typing import Any, Final
 
 import numpy as np
@@ -40,16 +41,9 @@ __all__ = ["FleetTable", "compiled"]
 # (``WorkerView.speed_terms``) kv_aware reads.
 _QUEUED, _RUNNING, _FREE, _STEP_S, _PREFILL_S, _DECODE_S, _STEP_TOKENS = range(7)
 _COLUMNS: Final = 7
-U64Like = npt.NDArray[np.uint64] | Sequence[int]
-_NO_MATCH = np.zeros((3, 0), dtype=np.int64)
-_U64: Final = np.dtype(np.uint64)
-
-
-def _u64(hashes: U64Like) -> npt.NDArray[np.uint64]:
-    if isinstance(hashes, np.ndarray):
-        return hashes
-    return np.frombuffer(array("Q", hashes), _U64)
-
+_EXACT: Final = 1 << 53  # integers up to this are exact as doubles
+_NO_MATCH: Final = np.zeros((3, 0), dtype=np.int64)
+_OTHER_MODEL: Final = "\0other"  # the eligibility of every model that no worker names
 
 # The kernel's answers besides a position.
 _TIE: Final = -1
@@ -58,7 +52,8 @@ _NONE: Final = -2
 try:
     import numba
 
-    @numba.njit(cache=True, nogil=True)
+    # Not ``nogil``: it writes the table's buffers and the index's, which one thread owns.
+    @numba.njit(cache=True)
     def _kernel(  # pragma: no cover - compiled
         out: Any,
         k: int,
@@ -74,7 +69,9 @@ try:
         session x prompt, the session's position (-1: none), the memory penalty. Writes, per
         eligible position ``p``, ``floats[:, p]`` (cost, own prefill, load term, TTFT or NaN) and
         ``ints[0, p]`` (cached tokens); returns the lowest position, ``_TIE`` when the
-        lowest is shared, ``_NONE`` when no worker is eligible."""
+        lowest is shared, ``_NONE`` when no worker is eligible. ``ints[3, p]`` >= 0 is a
+        worker's depth extended by its predicted blocks, which replaces the index's;
+        ``ints[1]`` and ``ints[2]`` are the depths and host blocks, spread here."""
         n = rows.shape[0]
         depth = ints[1]
         host = ints[2]
@@ -88,6 +85,9 @@ try:
                 if p >= 0:
                     depth[p] = out[1, j]
                     host[p] = out[2, j]
+        for p in range(n):
+            if ints[3, p] >= 0:
+                depth[p] = ints[3, p]
         num_tokens = np.int64(params[0])
         tpb = np.int64(params[1])
         w_load, w_decode, w_host = params[2], params[3], params[4]
@@ -160,135 +160,158 @@ def compiled() -> bool:
     return _kernel is not None
 
 
-@lru_cache(maxsize=64)
-def _covered(config: KvAwareConfig) -> bool:
-    """Whether the kernel reproduces kv_aware under ``config``: temperature 0 (sampling is
-    Python's generator), and float weights (an int weight makes some of Python's terms ints,
-    which JSON writes without a fraction)."""
-    weights = (config.load, config.decode, config.host_hit, config.session)
-    return config.temperature == 0 and all(type(w) is float for w in weights)
-
-
 class FleetTable:
-    """The rows of ``RouterCore``'s workers, in its worker-id order; see the module docstring.
+    """The rows of a ``RouterCore``'s workers (``workers``, its dict, read in place), in
+    worker-id order; see the module docstring.
 
     ``dirty``: the workers whose views changed since their row was written (each view adds
-    itself, ``WorkerView.changed``). ``invalidate``: the workers, their order, or which of them
-    admit requests for which model changed; everything is written again before the next
-    decision."""
+    itself, ``WorkerView.changed``). ``invalidate``: the workers, or which of them admit
+    requests for which model, changed; everything is written again before the next decision.
+    """
 
     __slots__ = (
         "_eligible",
         "_floats",
+        "_fresh",
+        "_inexact",
         "_ints",
+        "_models",
         "_order",
         "_positions",
         "_rows",
+        "_slot_of",
         "_slot_pos",
         "_slots_version",
         "_speedless",
         "_stale",
         "dirty",
-        "fresh",
+        "workers",
     )
 
-    def __init__(self) -> None:
+    def __init__(self, workers: dict[str, WorkerView]) -> None:
+        self.workers = workers
         self.dirty: set[str] = set()
-        self.fresh: list[bool] = []
         self._stale = True
         self._order: list[str] = []
         self._positions: dict[str, int] = {}
+        self._models: set[str] = set()  # the models workers name
         self._rows = np.zeros((0, _COLUMNS), dtype=np.float64)
+        self._fresh: list[bool] = []
         self._floats = np.zeros((4, 0), dtype=np.float64)
-        self._ints = np.zeros((3, 0), dtype=np.int64)
+        self._ints = np.zeros((4, 0), dtype=np.int64)
         self._speedless: list[int] = []  # positions whose worker reports no speed
+        self._inexact: set[str] = set()  # workers with a term too large for a double
         # model -> (mask by position, the eligible positions; None when all are)
         self._eligible: dict[str | None, tuple[npt.NDArray[np.uint8], list[int] | None]] = {}
-        self._slot_pos = np.zeros(0, dtype=np.int64)
+        self._slot_pos = np.zeros(0, dtype=np.int64)  # index slot -> position, -1: none
+        self._slot_of: dict[str, int] = {}  # worker -> index slot
         self._slots_version = -1
 
     def invalidate(self) -> None:
         self._stale = True
 
-    def _refresh(self, order: list[str], workers: dict[str, WorkerView]) -> None:
+    def _refresh(self) -> None:
+        workers = self.workers
         if self._stale:
-            self._stale = False
-            self._order = list(order)
-            self._positions = {worker: p for p, worker in enumerate(order)}
+            order = sorted(workers)
             n = len(order)
+            self._order = order
+            self._positions = {worker: p for p, worker in enumerate(order)}
+            self._models = {view.model for view in workers.values() if view.model is not None}
             self._rows = np.zeros((n, _COLUMNS), dtype=np.float64)
+            self._fresh = [True] * n
             self._floats = np.zeros((4, n), dtype=np.float64)
-            self._ints = np.zeros((3, n), dtype=np.int64)
-            self.fresh = [True] * n
+            self._ints = np.zeros((4, n), dtype=np.int64)
+            self._ints[3] = -1
+            self._inexact.clear()
             self._eligible.clear()
             self._slots_version = -1
-            changed: Sequence[str] = order
+            changed: Collection[str] = order
         else:
-            changed = [worker for worker in self.dirty if worker in self._positions]
-        self.dirty.clear()
-        rows, fresh, positions = self._rows, self.fresh, self._positions
+            changed = self.dirty
+        rows, fresh, positions, inexact = self._rows, self._fresh, self._positions, self._inexact
         for worker in changed:
+            p = positions.get(worker)
+            if p is None:  # gone: the table was invalidated
+                continue
             view = workers[worker]
             queued, running, _, free = view.load_terms()
             step_s, prefill_s, decode_s, step_tokens = view.speed_terms()
-            p = positions[worker]
-            rows[p] = (queued, running, free, step_s, prefill_s, decode_s, step_tokens)
+            if all(-_EXACT < term < _EXACT for term in (queued, running, free, step_tokens)):
+                rows[p] = (queued, running, free, step_s, prefill_s, decode_s, step_tokens)
+                inexact.discard(worker)
+            else:
+                inexact.add(worker)
             fresh[p] = view.stale_reason is None
-        self._speedless = [p for p in range(len(order)) if not rows[p, _PREFILL_S] > 0]
+        # Written in full: only now is the table current (a row that raised leaves it stale).
+        self._stale = False
+        self.dirty.clear()
+        self._speedless = [p for p in range(len(self._order)) if not rows[p, _PREFILL_S] > 0]
 
-    def _eligible_for(
-        self, model: str | None, workers: dict[str, WorkerView]
-    ) -> tuple[npt.NDArray[np.uint8], list[int] | None]:
-        found = self._eligible.get(model)
+    def _eligible_for(self, model: str | None) -> tuple[npt.NDArray[np.uint8], list[int] | None]:
+        key = model if model is None or model in self._models else _OTHER_MODEL
+        found = self._eligible.get(key)
         if found is None:
-            views = [workers[worker] for worker in self._order]
+            views = [self.workers[worker] for worker in self._order]
             mask = [
                 view.admitting and (model is None or view.model is None or view.model == model)
                 for view in views
             ]
             positions = None if all(mask) else [p for p, ok in enumerate(mask) if ok]
-            found = self._eligible[model] = (np.array(mask, dtype=np.uint8), positions)
+            found = self._eligible[key] = (np.array(mask, dtype=np.uint8), positions)
         return found
 
-    def _slot_positions(self, index: PrefixIndex) -> npt.NDArray[np.int64]:
+    def _slots(self, index: PrefixIndex) -> npt.NDArray[np.int64]:
+        """Index slot -> position (-1: not one of the workers), read again when the index's
+        slots change; and ``_slot_of``, worker -> slot."""
         if self._slots_version != index.slots_version:
             self._slots_version = index.slots_version
             positions = self._positions
+            names = index.slot_names()
             self._slot_pos = np.array(
-                [positions.get(name, -1) if name else -1 for name in index.slot_names()],
-                dtype=np.int64,
+                [positions.get(name, -1) if name else -1 for name in names], dtype=np.int64
             )
+            self._slot_of = {name: slot for slot, name in enumerate(names) if name}
         return self._slot_pos
 
     def kv_aware(
         self,
-        order: list[str],
-        workers: dict[str, WorkerView],
         index: PrefixIndex,
         request: RouteRequest,
-        hashes: U64Like,
+        hashes: Sequence[int] | npt.NDArray[np.uint64],
         config: KvAwareConfig,
         state: PolicyState,
         model: str | None,
         session_worker: str | None,
+        predicted: Collection[str] = (),
+        extend: Callable[[str, int], int] | None = None,
     ) -> Decision | None:
-        """kv_aware's decision among ``order``'s eligible workers (``RouterCore.candidates``'
-        rules), or None where the kernel does not cover the request (see the module): the
-        caller then takes the candidates' path, which also says why no worker can take it."""
-        if _kernel is None or not _covered(config):
+        """kv_aware's decision among the eligible workers (``RouterCore.candidates``' rules),
+        or None where the kernel does not cover the request (see the module): the caller then
+        takes the candidates' path, which also says why no worker can take it.
+        ``predicted``: the workers with predicted blocks, whose index depth ``extend`` turns
+        into the depth the candidates would give them."""
+        if _kernel is None or config.temperature:  # sampling: Python's generator
             return None
         if self._stale or self.dirty:
-            self._refresh(order, workers)
-        eligible, positions = self._eligible_for(model, workers)
+            self._refresh()
+        if self._inexact:
+            return None
+        eligible, positions = self._eligible_for(model)
         if not (self._order if positions is None else positions):
             return None  # no worker can take it: the candidates' path says why
         if len(hashes):
-            matched = index.match_slots(_u64(hashes))
+            matched = index.match_slots(hashes)
             if matched is None:
                 return None
             out, k = matched
         else:
             out, k = _NO_MATCH, 0
+        slot_pos = self._slots(index)
+        ints = self._ints
+        extended: list[int] = []
+        if predicted and extend is not None:
+            extended = self._extend(out, k, predicted, extend)
         num_tokens = request.num_tokens
         session_pos = self._positions.get(session_worker, -1) if session_worker else -1
         affinity = config.session * num_tokens
@@ -305,17 +328,53 @@ class FleetTable:
             ),
             dtype=np.float64,
         )
-        floats, ints = self._floats, self._ints
-        best = _kernel(
-            out, k, self._slot_positions(index), self._rows, eligible, params, floats, ints
-        )
-        columns: list[list[Any]] = floats.tolist()  # cost, own, load, ttft
+        floats = self._floats
+        best = _kernel(out, k, slot_pos, self._rows, eligible, params, floats, ints)
+        for p in extended:
+            ints[3, p] = -1
+        return self._decision(best, positions, session_pos, affinity, state, request)
+
+    def _extend(
+        self,
+        out: npt.NDArray[np.int64],
+        k: int,
+        predicted: Collection[str],
+        extend: Callable[[str, int], int],
+    ) -> list[int]:
+        """``ints[3]`` set for the predicted workers whose depth the predictions extend; their
+        positions (set back to -1 after the kernel)."""
+        depth_of = dict(zip(*out[:2, :k].tolist(), strict=True))  # slot -> index depth
+        slot_of, positions, overrides = self._slot_of, self._positions, self._ints[3]
+        extended: list[int] = []
+        for worker in predicted:
+            p = positions.get(worker)
+            if p is None:
+                continue
+            slot = slot_of.get(worker)
+            depth = depth_of.get(slot, 0) if slot is not None else 0
+            longer = extend(worker, depth)
+            if longer != depth:
+                overrides[p] = longer
+                extended.append(p)
+        return extended
+
+    def _decision(
+        self,
+        best: int,
+        positions: list[int] | None,
+        session_pos: int,
+        affinity: float,
+        state: PolicyState,
+        request: RouteRequest,
+    ) -> Decision:
+        """The ``Decision`` of the kernel's answer: a ``Cost`` per eligible worker."""
+        columns: list[list[Any]] = self._floats.tolist()  # cost, own, load, ttft
         for p in self._speedless:
             columns[3][p] = None
         affinities = [0.0] * len(self._order)
         if session_pos >= 0 and affinity:
             affinities[session_pos] = affinity
-        columns += (ints[0].tolist(), affinities, self._order, self.fresh)
+        columns += (self._ints[0].tolist(), affinities, self._order, self._fresh)
         if positions is not None:  # some workers are not candidates: their columns are skipped
             columns = [[column[p] for p in positions] for column in columns]
         cost, own, load, ttft, cached, affinities, names, fresh = columns

@@ -43,7 +43,7 @@ class WorkerView:
     _candidates: dict[tuple[int, int, bool, int], Candidate] = field(default_factory=dict)
     # Its core's set of the views whose rows of the fleet table are out of date
     # (``app.router.fleet``): ``changed`` adds this one.
-    watched_by: set[str] | None = field(default=None, repr=False, compare=False)
+    fleet_dirty: set[str] | None = field(default=None, repr=False, compare=False)
 
     def load_terms(self) -> tuple[int, int, int, int]:
         """(queued prefill tokens, running, active blocks, free blocks): the worker's report
@@ -58,8 +58,8 @@ class WorkerView:
         """Its load, capacity or freshness changed: the cached terms are read again."""
         self._terms = None
         self._candidates.clear()
-        if self.watched_by is not None:
-            self.watched_by.add(self.worker)
+        if self.fleet_dirty is not None:
+            self.fleet_dirty.add(self.worker)
 
     def set_load(self, load: dict[str, int]) -> None:
         """The worker's new load report: a new dict each time (one changed in place and given

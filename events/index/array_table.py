@@ -129,14 +129,17 @@ class ArrayTable:
         return slots, depths, []
 
     def match_raw(
-        self, block_hashes: U64Array, monotone: bool
+        self, block_hashes: Sequence[int] | U64Array, monotone: bool
     ) -> tuple[npt.NDArray[np.int64], int]:
         """`match` with tiers, as the kernel leaves it: (out, k), ``out[0, :k]`` the slots,
         ``out[1, :k]`` the depths, ``out[2, :k]`` the host blocks. `out` is the table's own,
         written again by the next match: read it first."""
+        if isinstance(block_hashes, np.ndarray) and block_hashes.dtype == np.uint64:
+            arr = block_hashes
+        else:
+            arr = _hash_array(block_hashes)
         out = self._out
-        k = kernels.match(self._rows, self._meta, block_hashes, self._alive, out, True, monotone)
-        return out, k
+        return out, kernels.match(self._rows, self._meta, arr, self._alive, out, True, monotone)
 
     def blocks_of(self, slot: int) -> dict[int, int]:
         keys, on_host, _ = kernels.blocks_of(self._rows, slot)

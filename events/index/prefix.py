@@ -334,7 +334,9 @@ class PrefixIndex:
             for slot, depth, on_host in zip(slots, depths, host, strict=True)
         }
 
-    def match_slots(self, block_hashes: U64Array) -> tuple[npt.NDArray[np.int64], int] | None:
+    def match_slots(
+        self, block_hashes: Sequence[int] | U64Array
+    ) -> tuple[npt.NDArray[np.int64], int] | None:
         """`find_matches_by_tier` as the compiled table leaves it, for a caller that reads it
         in its own kernel: (out, k), ``out[0, :k]`` worker slots (`slot_names`), ``out[1, :k]``
         their depths, ``out[2, :k]`` how many of those blocks are on the host tier. `out` is

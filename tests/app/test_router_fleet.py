@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from app.router import fleet
-from app.router.core import RouterCore
+from app.router.core import NoWorkerError, RouterCore
 from app.router.policies import Decision, Weights
 from cache import KVCacheEvent, StoredBlock, StoredData, block_hashes_for_tokens
 from events.index import PrefixIndex
@@ -82,6 +82,7 @@ def build(rng: random.Random, num_workers: int, clock: Clock) -> tuple[RouterCor
             capacity_blocks=10_000,
             model=rng.choice([None, "a", "b"]),
             draining=rng.random() < 0.1,
+            approximate=rng.random() < 0.2,  # its predictions kept by the core
         )
         core.set_load(worker, random_load(rng))
         for prompt in rng.sample(prompts, 2):
@@ -101,12 +102,16 @@ def store(index: PrefixIndex, worker: str, tokens: list[int], rng: random.Random
 
 
 def request(rng: random.Random, prompts: list[list[int]]) -> list[int]:
+    if rng.random() < 0.03:
+        return []  # no token at all: the core takes it (the services refuse it before)
     prompt = rng.choice(prompts)
     tokens = prompt[: rng.randrange(1, len(prompt) + 1)]
     return tokens + [rng.randrange(50_000) for _ in range(rng.choice([0, 0, 5, 100]))]
 
 
 def random_weights(rng: random.Random) -> Weights:
+    if rng.random() < 0.1:  # an int weight decides as the float (kv_aware.config)
+        return Weights(load=1, session=0.1)
     return Weights(
         load=rng.choice([0.1, 0.0, 1.0, 0.37]),
         decode=rng.choice([8.0, 0.0, 2.5]),
@@ -115,19 +120,67 @@ def random_weights(rng: random.Random) -> Weights:
     )
 
 
-@pytest.mark.parametrize("seed", range(12))
+def change_a_view(
+    rng: random.Random,
+    core: RouterCore,
+    clock: Clock,
+    prompts: list[list[int]],
+    turn: int,
+    decided: tuple[Decision, list[int], int, str | None] | None,
+) -> None:
+    """What happens to views between decisions: a new load, a request sent (its blocks
+    predicted there) and ended, a worker stale, draining, cordoned or serving another model,
+    one gone and another in its index slot."""
+    worker = rng.choice(sorted(core.workers))
+    view = core.workers[worker]
+    change = rng.randrange(6)
+    if change == 0:
+        core.set_load(worker, random_load(rng))
+    elif change == 1 and decided is not None:
+        decision, hashes, num_tokens, session = decided
+        core.begin(f"r{turn}", decision, hashes, num_tokens, session=session)
+        clock.now += rng.choice([0.0, 0.5, 3.0])  # predictions kept, or expired
+    elif change == 2:
+        core.set_stale(worker, rng.choice([None, "lagging"]))
+    elif change == 3:
+        core.upsert_worker(
+            worker,
+            url=view.url,
+            capacity_blocks=view.capacity_blocks,
+            draining=rng.random() < 0.2,
+            cordon=rng.choice([None, None, "cordoned", "draining"]),
+            model=rng.choice([view.model, view.model, None, "a", "c"]),
+            approximate=view.approximate,
+        )
+    elif change == 4 and len(core.workers) > 1:
+        # Gone; a new worker then takes its index slot (the index reuses a freed slot).
+        core.remove_worker(worker)
+        core.index.remove_worker(worker)
+        new = f"n{turn:02d}"
+        core.upsert_worker(new, url=f"http://{new}", capacity_blocks=10_000, model=view.model)
+        core.set_load(new, random_load(rng))
+        store(core.index, new, rng.choice(prompts)[: TPB * rng.randrange(1, 40)], rng)
+    else:
+        for request_id in list(core.inflight)[: rng.randrange(3)]:
+            core.prefilled(request_id)
+            core.finish(request_id)
+
+
+@pytest.mark.parametrize("seed", range(16))
 def test_the_kernel_decides_as_the_python_policy(
     seed: int, monkeypatch: pytest.MonkeyPatch, kernel_calls: list[int]
 ) -> None:
     rng = random.Random(seed)
     clock = Clock()
     core, prompts = build(rng, rng.choice([1, 2, 5, 16, 33]), clock)
-    for turn in range(60):
+    compared = 0
+    decided: tuple[Decision, list[int], int, str | None] | None = None
+    for turn in range(80):
         tokens = request(rng, prompts)
         hashes = core.hashes(tokens)
         hash_array = core.hash_array(tokens) if rng.random() < 0.5 else None
         session = rng.choice([None, "s1", "s2"])
-        model = rng.choice([None, None, "a", "b"])
+        model = rng.choice([None, None, "a", "b", "z"])  # z: no worker names it
         weights = random_weights(rng)
 
         def decide(
@@ -142,45 +195,41 @@ def test_the_kernel_decides_as_the_python_policy(
                 hashes, n, weights=weights, session=session, model=model, hash_array=array
             )
 
-        if not any(
+        if any(
             v.admitting and (model is None or v.model in (None, model))
             for v in core.workers.values()
         ):
-            continue  # no worker: both paths raise NoWorkerError (the fallback's)
-        before = len(kernel_calls)
-        compiled = decide()
-        assert len(kernel_calls) == before + 1
-        assert compiled == python_decision(monkeypatch, decide), (seed, turn)
-        # Views change between decisions: a new load, a request sent and ended, a worker stale.
-        worker = rng.choice(sorted(core.workers))
-        change = rng.randrange(6)
-        if change == 0:
-            core.set_load(worker, random_load(rng))
-        elif change == 1:
-            core.begin(f"r{turn}", compiled, hashes, len(tokens), session=session)
-            # Its predicted blocks send the next decisions to the candidates' path, the same
-            # decisions (a test of the core), until they expire.
-            clock.now += 3.0
-        elif change == 2:
-            core.set_stale(worker, rng.choice([None, "lagging"]))
-        elif change == 3:
-            view = core.workers[worker]
-            core.upsert_worker(
-                worker,
-                url=view.url,
-                capacity_blocks=view.capacity_blocks,
-                draining=rng.random() < 0.3,
-                model=view.model,
-            )
-        elif change == 4 and len(core.workers) > 1:  # gone, and back without its blocks
-            view = core.workers[worker]
-            core.remove_worker(worker)
-            core.index.remove_worker(worker)
-            core.upsert_worker(worker, url=view.url, capacity_blocks=10_000, model=view.model)
-            core.set_load(worker, random_load(rng))
-            decide()  # the table without it in the index; then its first event gives it a slot
-            store(core.index, worker, rng.choice(prompts)[: TPB * rng.randrange(1, 40)], rng)
+            before = len(kernel_calls)
+            compiled = decide()
+            assert len(kernel_calls) == before + 1
+            # repr: the same types too (an int where Python has an int, -0.0 as -0.0).
+            assert repr(compiled) == repr(python_decision(monkeypatch, decide)), (seed, turn)
+            compared += 1
+            decided = (compiled, hashes, len(tokens), session)
         else:
-            for request_id in list(core.inflight)[: rng.randrange(3)]:
-                core.prefilled(request_id)
-                core.finish(request_id)
+            with pytest.raises(NoWorkerError):  # from the candidates' path, saying why
+                decide()
+        change_a_view(rng, core, clock, prompts, turn, decided)
+    assert compared >= 25  # most turns have a worker for their model
+
+
+def test_a_load_too_large_for_a_double_leaves_the_decisions_to_python(
+    monkeypatch: pytest.MonkeyPatch, kernel_calls: list[int]
+) -> None:
+    """Beyond 2**53 a double is not the int: the Python path decides until the load is sane."""
+    rng = random.Random(7)
+    core, prompts = build(rng, 5, Clock())
+    worker = sorted(core.workers)[0]
+    core.upsert_worker(worker, url="http://x", capacity_blocks=10_000)  # admitting, any model
+    tokens = prompts[0][: TPB * 20]
+    hashes = core.hashes(tokens)
+
+    def decide() -> Decision:
+        return core.decide(hashes, len(tokens))
+
+    for free, calls in ((10**400, 0), (2**53 + 1, 0), (2**53 - 1, 1), (500, 1)):
+        core.set_load(worker, {"free_blocks_0": free, "used_blocks_0": 0})
+        before = len(kernel_calls)
+        decision = decide()
+        assert len(kernel_calls) - before == calls, free
+        assert repr(decision) == repr(python_decision(monkeypatch, decide)), free

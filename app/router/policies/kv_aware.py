@@ -70,8 +70,14 @@ class KvAwareConfig:
 
 @lru_cache(maxsize=64)  # one per weights a router uses: built once, not per decision
 def config(weights: Weights) -> KvAwareConfig:
+    # Floats: the cache takes Weights(load=1) for Weights(load=1.0) (they are equal), so an int
+    # kept as one would make the costs' types depend on which came first.
     return KvAwareConfig(
-        weights.load, weights.decode, weights.host_hit, weights.temperature, weights.session
+        float(weights.load),
+        float(weights.decode),
+        float(weights.host_hit),
+        float(weights.temperature),
+        float(weights.session),
     )
 
 
