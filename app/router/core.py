@@ -39,6 +39,7 @@ import math
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
+from functools import partial
 from typing import Any
 
 import numpy.typing as npt
@@ -54,7 +55,7 @@ from app.router.policies import (
 )
 from app.router.policies.kv_aware import POLICY as KV_AWARE
 from app.router.policies.kv_aware import config as kv_aware_config
-from app.router.predicted import Generation, approximate_depth, predicted_depth
+from app.router.predicted import Generation, extended_depth
 from app.router.views import InFlight, RoutingState, WorkerView
 from cache import cache_salt_id
 from cache.hashing import U64Array, block_hash_array
@@ -240,7 +241,7 @@ class RouterCore:
             depth, gpu = matches.get(worker, _NO_MATCH)
             host = depth - gpu
             if now is not None:
-                depth = self._predicted_depth(worker, block_hashes, depth, now)
+                depth = self._predicted_depth(block_hashes, now, worker, depth)
             out.append(
                 view.candidate(
                     depth,
@@ -261,18 +262,12 @@ class RouterCore:
         return now
 
     def _predicted_depth(
-        self, worker: str, block_hashes: Sequence[int], depth: int, now: float
+        self, block_hashes: Sequence[int], now: float, worker: str, depth: int
     ) -> int:
-        """``worker``'s index ``depth`` for a request extended by the blocks predicted to it
-        (they count as GPU blocks: they were just made)."""
-        newer = self._newer.get(worker)
-        before = self._older.get(worker)
-        if newer is not None or before is not None:
-            depth = predicted_depth(block_hashes, depth, newer, before)
-        approx = self._approx.get(worker)
-        if approx:
-            depth = approximate_depth(block_hashes, depth, now, approx)
-        return depth
+        newer, older, approx = self._newer, self._older, self._approx
+        return extended_depth(
+            block_hashes, depth, now, newer.get(worker), older.get(worker), approx.get(worker)
+        )
 
     def _num_cached(self, worker: str) -> int:
         try:
@@ -330,14 +325,8 @@ class RouterCore:
         """kv_aware's decision by the fleet table (``app.router.fleet``), the candidates'
         rules and predictions included; None where the table does not cover it."""
         now = self._purged_now()
-        predicted: set[str] | tuple[()] = ()
-        if now is not None:
-            predicted = {*self._newer, *self._older, *self._approx}
-
-        def extend(worker: str, depth: int) -> int:
-            assert now is not None  # called only for the predicted workers
-            return self._predicted_depth(worker, block_hashes, depth, now)
-
+        predicted = () if now is None else {*self._newer, *self._older, *self._approx}
+        extend = None if now is None else partial(self._predicted_depth, block_hashes, now)
         return self._fleet.kv_aware(
             self.index,
             request,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["Generation", "approximate_depth", "predicted_depth"]
+__all__ = ["Generation", "approximate_depth", "extended_depth", "predicted_depth"]
 
 
 def predicted_depth(
@@ -34,6 +34,24 @@ def approximate_depth(
     num_blocks = len(block_hashes)
     while depth < num_blocks and predicted.get(block_hashes[depth], 0.0) > now:
         depth += 1
+    return depth
+
+
+def extended_depth(
+    block_hashes: Sequence[int],
+    depth: int,
+    now: float,
+    newer: Generation | None,
+    older: Generation | None,
+    approx: dict[int, float] | None,
+) -> int:
+    """A worker's index ``depth`` for a request, extended by the blocks predicted to it in
+    either generation and, for an approximate worker, unexpired (they count as GPU blocks:
+    they were just made)."""
+    if newer is not None or older is not None:
+        depth = predicted_depth(block_hashes, depth, newer, older)
+    if approx:
+        depth = approximate_depth(block_hashes, depth, now, approx)
     return depth
 
 
