@@ -9,7 +9,7 @@ row, written again only when its view changes (``WorkerView.changed`` names it i
 and one numba kernel does what ``RouterCore.candidates`` and ``kv_aware`` do for a request:
 the index's match spread over the workers, each eligible worker costed, the lowest found. The
 depth of a worker with predicted blocks is extended in Python, as the candidates extend it
-(only those workers: after a burst, a few), and handed to the kernel.
+(those workers alone), and handed to the kernel.
 
 The kernel does kv_aware's arithmetic operation for operation, in the same order, on IEEE
 doubles, converting Python's ints where Python converts them: the costs are the same floats,
@@ -308,10 +308,6 @@ class FleetTable:
         else:
             out, k = _NO_MATCH, 0
         slot_pos = self._slots(index)
-        ints = self._ints
-        extended: list[int] = []
-        if predicted and extend is not None:
-            extended = self._extend(out, k, predicted, extend)
         num_tokens = request.num_tokens
         session_pos = self._positions.get(session_worker, -1) if session_worker else -1
         affinity = config.session * num_tokens
@@ -328,10 +324,15 @@ class FleetTable:
             ),
             dtype=np.float64,
         )
-        floats = self._floats
-        best = _kernel(out, k, slot_pos, self._rows, eligible, params, floats, ints)
-        for p in extended:
-            ints[3, p] = -1
+        ints = self._ints
+        extended: list[int] = []  # positions whose ``ints[3]`` goes back to -1 after the call
+        try:
+            if predicted and extend is not None:
+                self._extend(out, k, predicted, extend, extended)
+            best = _kernel(out, k, slot_pos, self._rows, eligible, params, self._floats, ints)
+        finally:
+            for p in extended:
+                ints[3, p] = -1
         return self._decision(best, positions, session_pos, affinity, state, request)
 
     def _extend(
@@ -340,12 +341,12 @@ class FleetTable:
         k: int,
         predicted: Collection[str],
         extend: Callable[[str, int], int],
-    ) -> list[int]:
-        """``ints[3]`` set for the predicted workers whose depth the predictions extend; their
-        positions (set back to -1 after the kernel)."""
+        extended: list[int],
+    ) -> None:
+        """``ints[3]`` set for the predicted workers whose depth the predictions extend, their
+        positions appended to ``extended``."""
         depth_of = dict(zip(*out[:2, :k].tolist(), strict=True))  # slot -> index depth
         slot_of, positions, overrides = self._slot_of, self._positions, self._ints[3]
-        extended: list[int] = []
         for worker in predicted:
             p = positions.get(worker)
             if p is None:
@@ -354,9 +355,8 @@ class FleetTable:
             depth = depth_of.get(slot, 0) if slot is not None else 0
             longer = extend(worker, depth)
             if longer != depth:
-                overrides[p] = longer
                 extended.append(p)
-        return extended
+                overrides[p] = longer
 
     def _decision(
         self,
