@@ -264,6 +264,7 @@ class RouterCore:
     def _predicted_depth(
         self, block_hashes: Sequence[int], now: float, worker: str, depth: int
     ) -> int:
+        """``extended_depth`` for ``worker`` (the request's arguments first, for ``partial``)."""
         newer, older, approx = self._newer, self._older, self._approx
         return extended_depth(
             block_hashes, depth, now, newer.get(worker), older.get(worker), approx.get(worker)
