@@ -127,10 +127,15 @@ def change_a_view(
     prompts: list[list[int]],
     turn: int,
     decided: tuple[Decision, list[int], int, str | None] | None,
+    newcomers: list[str],
 ) -> None:
     """What happens to views between decisions: a new load, a request sent (its blocks
     predicted there) and ended, a worker stale, draining, cordoned or serving another model,
-    one gone and another in its index slot."""
+    one gone and another in its index slot (from its first event, a decision later: the
+    table learns it from the index alone)."""
+    for new in newcomers:
+        store(core.index, new, rng.choice(prompts)[: TPB * rng.randrange(1, 40)], rng)
+    newcomers.clear()
     worker = rng.choice(sorted(core.workers))
     view = core.workers[worker]
     change = rng.randrange(6)
@@ -159,7 +164,7 @@ def change_a_view(
         new = f"n{turn:02d}"
         core.upsert_worker(new, url=f"http://{new}", capacity_blocks=10_000, model=view.model)
         core.set_load(new, random_load(rng))
-        store(core.index, new, rng.choice(prompts)[: TPB * rng.randrange(1, 40)], rng)
+        newcomers.append(new)
     else:
         for request_id in list(core.inflight)[: rng.randrange(3)]:
             core.prefilled(request_id)
@@ -175,6 +180,7 @@ def test_the_kernel_decides_as_the_python_policy(
     core, prompts = build(rng, rng.choice([1, 2, 5, 16, 33]), clock)
     compared = 0
     decided: tuple[Decision, list[int], int, str | None] | None = None
+    newcomers: list[str] = []
     for turn in range(80):
         tokens = request(rng, prompts)
         hashes = core.hashes(tokens)
@@ -209,7 +215,7 @@ def test_the_kernel_decides_as_the_python_policy(
         else:
             with pytest.raises(NoWorkerError):  # from the candidates' path, saying why
                 decide()
-        change_a_view(rng, core, clock, prompts, turn, decided)
+        change_a_view(rng, core, clock, prompts, turn, decided, newcomers)
     assert compared >= 25  # most turns have a worker for their model
 
 
