@@ -30,6 +30,10 @@ not lower by more than ``session`` of a prompt (0.1 by default), so an agent's n
 where its context is even before that worker's events arrive, and leaves a loaded worker.
 The lowest cost wins; ties go to the lower load, then to a seeded random choice. With a
 temperature above 0 the choice is sampled from ``softmax(-cost / (temperature * prompt))``.
+
+This function is the policy's definition. ``RouterCore.decide`` makes the same decisions in one
+compiled call (``app.router.fleet``, its arithmetic mirrored step for step): a change here is a
+change there, and ``tests/app/test_router_fleet.py`` fails until both agree.
 """
 
 from __future__ import annotations
