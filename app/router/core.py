@@ -290,7 +290,8 @@ class RouterCore:
     ) -> Decision:
         """Choose a worker for a prompt of ``num_tokens`` tokens whose full blocks hash to
         ``block_hashes`` (and ``hash_array``, see ``candidates``), among ``model``'s workers.
-        Changes nothing but the policy state; ``begin`` records the choice."""
+        Changes nothing a caller sees (it purges expired predictions and brings the fleet
+        table up to date); ``begin`` records the choice."""
         chosen = policy_named(policy or self.policy)
         weights = weights or self.weights
         request = RouteRequest(

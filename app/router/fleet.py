@@ -52,7 +52,9 @@ _NONE: Final = -2
 try:
     import numba
 
-    # Not ``nogil``: it writes the table's buffers and the index's, which one thread owns.
+    # Not ``nogil``: it writes the table's buffers, which one thread owns, and reads the index's
+    # match output, which the next match writes (nothing between the match and this call runs
+    # one: see ``FleetTable.kv_aware``).
     @numba.njit(cache=True)
     def _kernel(  # pragma: no cover - compiled
         out: Any,
@@ -290,7 +292,8 @@ class FleetTable:
         or None where the kernel does not cover the request (see the module): the caller then
         takes the candidates' path, which also says why no worker can take it.
         ``predicted``: the workers with predicted blocks, whose index depth ``extend`` turns
-        into the depth the candidates would give them."""
+        into the depth the candidates would give them; it runs between the match and the
+        kernel, so it must not match against the index (the kernel reads the match's output)."""
         if _kernel is None or config.temperature:  # sampling: Python's generator
             return None
         if self._stale or self.dirty:
@@ -328,7 +331,7 @@ class FleetTable:
         extended: list[int] = []  # positions whose ``ints[3]`` goes back to -1 after the call
         try:
             if predicted and extend is not None:
-                self._extend(out, k, predicted, extend, extended)
+                self._extend(out, k, eligible, predicted, extend, extended)
             best = _kernel(out, k, slot_pos, self._rows, eligible, params, self._floats, ints)
         finally:
             for p in extended:
@@ -339,17 +342,18 @@ class FleetTable:
         self,
         out: npt.NDArray[np.int64],
         k: int,
+        eligible: npt.NDArray[np.uint8],
         predicted: Collection[str],
         extend: Callable[[str, int], int],
         extended: list[int],
     ) -> None:
-        """``ints[3]`` set for the predicted workers whose depth the predictions extend, their
-        positions appended to ``extended``."""
+        """``ints[3]`` set for the eligible predicted workers whose depth the predictions
+        extend, their positions appended to ``extended``."""
         depth_of = dict(zip(*out[:2, :k].tolist(), strict=True))  # slot -> index depth
         slot_of, positions, overrides = self._slot_of, self._positions, self._ints[3]
         for worker in predicted:
             p = positions.get(worker)
-            if p is None:
+            if p is None or not eligible[p]:
                 continue
             slot = slot_of.get(worker)
             depth = depth_of.get(slot, 0) if slot is not None else 0

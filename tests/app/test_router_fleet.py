@@ -82,11 +82,12 @@ def build(rng: random.Random, num_workers: int, clock: Clock) -> tuple[RouterCor
             capacity_blocks=10_000,
             model=rng.choice([None, "a", "b"]),
             draining=rng.random() < 0.1,
-            approximate=rng.random() < 0.2,  # its predictions kept by the core
+            approximate=(approximate := rng.random() < 0.2),  # no events: what the core sent
         )
         core.set_load(worker, random_load(rng))
         for prompt in rng.sample(prompts, 2):
-            store(index, worker, prompt[: rng.randrange(0, len(prompt) + 1)], rng)
+            if not approximate:
+                store(index, worker, prompt[: rng.randrange(0, len(prompt) + 1)], rng)
     return core, prompts
 
 
@@ -132,13 +133,15 @@ def change_a_view(
     """What happens to views between decisions: a new load, a request sent (its blocks
     predicted there) and ended, a worker stale, draining, cordoned or serving another model,
     one gone and another in its index slot (from its first event, a decision later: the
-    table learns it from the index alone)."""
+    table learns it from the index alone), and the core's workers changing apart from the
+    index's, as a router's registry and streams change them (one joining before its first
+    event, with an id sorted first; one gone from the core whose blocks the index keeps)."""
     for new in newcomers:
         store(core.index, new, rng.choice(prompts)[: TPB * rng.randrange(1, 40)], rng)
     newcomers.clear()
     worker = rng.choice(sorted(core.workers))
     view = core.workers[worker]
-    change = rng.randrange(6)
+    change = rng.randrange(8)
     if change == 0:
         core.set_load(worker, random_load(rng))
     elif change == 1 and decided is not None:
@@ -165,6 +168,12 @@ def change_a_view(
         core.upsert_worker(new, url=f"http://{new}", capacity_blocks=10_000, model=view.model)
         core.set_load(new, random_load(rng))
         newcomers.append(new)
+    elif change == 5:
+        early = f"a{turn:02d}"
+        core.upsert_worker(early, url=f"http://{early}", capacity_blocks=10_000)
+        core.set_load(early, random_load(rng))
+    elif change == 6 and len(core.workers) > 1:
+        core.remove_worker(worker)
     else:
         for request_id in list(core.inflight)[: rng.randrange(3)]:
             core.prefilled(request_id)
@@ -239,3 +248,38 @@ def test_a_load_too_large_for_a_double_leaves_the_decisions_to_python(
         decision = decide()
         assert len(kernel_calls) - before == calls, free
         assert repr(decision) == repr(python_decision(monkeypatch, decide)), free
+
+
+def test_a_prediction_that_raises_leaves_no_trace(
+    monkeypatch: pytest.MonkeyPatch, kernel_calls: list[int]
+) -> None:
+    """The depths handed to the kernel go back even when extending one raises."""
+    rng = random.Random(3)
+    clock = Clock()
+    core, prompts = build(rng, 6, clock)
+    tokens = prompts[1][: TPB * 30]
+    hashes = core.hashes(tokens)
+    for worker in sorted(core.workers)[:3]:  # predicted beyond what the index holds
+        core.predict(worker, hashes)
+
+    def decide() -> Decision:
+        return core.decide(hashes, len(tokens))
+
+    real = RouterCore._predicted_depth
+    calls: list[int] = []
+
+    def fails_on_the_second(self: RouterCore, *args: Any) -> int:
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("boom")
+        return real(self, *args)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(RouterCore, "_predicted_depth", fails_on_the_second)
+        with pytest.raises(RuntimeError, match="boom"):
+            core.decide(hashes, len(tokens))
+    assert len(calls) == 2
+    clock.now += 3.0  # the predictions expire: a depth left behind would show alone
+    before = len(kernel_calls)
+    assert repr(decide()) == repr(python_decision(monkeypatch, decide))
+    assert len(kernel_calls) == before + 1
