@@ -9,13 +9,14 @@ responses; replay from its in-process cluster. The core owns:
   reported, whether its data is fresh, whether it drains or an operator cordoned it (then it
   takes nothing new), and the router's own in-flight accounting (prompt tokens sent and not
   prefilled yet, sequences and blocks in flight), which is newer than any report;
-* the predicted cache: right after a decision the chosen worker is assumed to hold the request's
-  blocks for ``predict_ttl_s`` (more, and at most twice that: see ``_purge``), until its
-  ``stored`` events reach the index, so that a burst of requests sharing a new prefix lands
-  together instead of scattering. For a worker without KV events (``approximate``, ``kvmesh
-  register``) the predictions are all the router knows: they last ``approx_ttl_s`` exactly and
-  at most the worker's capacity in blocks is kept, the least recently sent dropped first (an
-  approximate prefix tree, as Dynamo's ``--no-kv-events`` keeps);
+* the predicted cache (``app.router.predicted``): right after a decision the chosen worker is
+  assumed to hold the request's blocks for ``predict_ttl_s`` (more, and at most twice that: see
+  ``PredictedCache.purge``), until its ``stored`` events reach the index, so that a burst of
+  requests sharing a new prefix lands together instead of scattering. For a worker without KV
+  events (``approximate``, ``kvmesh register``) the predictions are all the router knows: they
+  last ``approx_ttl_s`` exactly and at most the worker's capacity in blocks is kept, the least
+  recently sent dropped first (an approximate prefix tree, as Dynamo's ``--no-kv-events``
+  keeps);
 * the policy state (seeded random generator, round-robin position);
 * the fleet table (``app.router.fleet``): the views' load and speed terms as arrays, on which
   ``decide`` makes kv_aware's decisions in one compiled call where it can;
@@ -35,9 +36,8 @@ index's match ends: a set probe or two per extra block, none when the prediction
 
 from __future__ import annotations
 
-import math
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 from typing import Any
@@ -55,7 +55,7 @@ from app.router.policies import (
 )
 from app.router.policies.kv_aware import POLICY as KV_AWARE
 from app.router.policies.kv_aware import config as kv_aware_config
-from app.router.predicted import Generation, extended_depth
+from app.router.predicted import PredictedCache
 from app.router.views import InFlight, RoutingState, WorkerView
 from cache import cache_salt_id
 from cache.hashing import U64Array, block_hash_array
@@ -94,8 +94,6 @@ class RouterCore:
         self.policy = policy
         self.weights = weights or Weights()
         self.state = PolicyState(seed)
-        self.predict_ttl_s = predict_ttl_s
-        self.approx_ttl_s = approx_ttl_s
         self.clock = clock
         self.workers: dict[str, WorkerView] = {}
         self._order: list[str] = []  # worker ids, sorted: every router sees the same list
@@ -106,14 +104,7 @@ class RouterCore:
         self.flight_hooks: list[Callable[[str, InFlight, Sequence[int]], None]] = []
         self.sessions: OrderedDict[str, str] = OrderedDict()  # session -> its last worker
         self._named: list[str] | None = None  # the models named, sorted (cached)
-        # worker -> what was predicted to it since the last rotation, and in the generation
-        # before (see ``_purge``); an approximate worker's: block hash -> expiry, ordered by
-        # recency, and the expiries in the order they come.
-        self._newer: dict[str, Generation] = {}
-        self._older: dict[str, Generation] = {}
-        self._rotate_at = -math.inf
-        self._approx: dict[str, OrderedDict[int, float]] = {}
-        self._approx_expiries: deque[tuple[float, str, Sequence[int]]] = deque()
+        self.predicted = PredictedCache(predict_ttl_s, approx_ttl_s, clock)
         self._fleet = FleetTable(self.workers)  # kv_aware's compiled decision (``decide``)
 
     # -- workers -------------------------------------------------------------------------------
@@ -174,8 +165,7 @@ class RouterCore:
             self._order = sorted(self.workers)
             self._named = None
             self._fleet.invalidate()
-        for predictions in (self._newer, self._older, self._approx):
-            predictions.pop(worker, None)
+        self.predicted.forget(worker)
 
     def set_load(self, worker: str, load: dict[str, int]) -> None:
         view = self.workers.get(worker)
@@ -226,7 +216,7 @@ class RouterCore:
         declares so: ``needs_tree_sizes``); ``session``'s last worker is marked.
         ``hash_array``: ``block_hashes`` as ``hash_array`` gives them (the same hashes, the
         caller's to keep so), for the index's match."""
-        now = self._purged_now()
+        now = self.predicted.purged_now()
         skip = set(exclude) if exclude else ()
         held = block_hashes if hash_array is None else hash_array
         matches = self.index.find_matches_by_tier(held) if block_hashes else {}
@@ -241,7 +231,7 @@ class RouterCore:
             depth, gpu = matches.get(worker, _NO_MATCH)
             host = depth - gpu
             if now is not None:
-                depth = self._predicted_depth(block_hashes, now, worker, depth)
+                depth = self.predicted.depth(block_hashes, now, worker, depth)
             out.append(
                 view.candidate(
                     depth,
@@ -251,24 +241,6 @@ class RouterCore:
                 )
             )
         return out
-
-    def _purged_now(self) -> float | None:
-        """The clock's time, the predictions purged to it; None (not read) when there are
-        none, and no depth to extend."""
-        if not (self._newer or self._older or self._approx):
-            return None
-        now = self.clock()
-        self._purge(now)
-        return now
-
-    def _predicted_depth(
-        self, block_hashes: Sequence[int], now: float, worker: str, depth: int
-    ) -> int:
-        """``extended_depth`` for ``worker`` (the request's arguments first, for ``partial``)."""
-        newer, older, approx = self._newer, self._older, self._approx
-        return extended_depth(
-            block_hashes, depth, now, newer.get(worker), older.get(worker), approx.get(worker)
-        )
 
     def _num_cached(self, worker: str) -> int:
         try:
@@ -326,9 +298,10 @@ class RouterCore:
     ) -> Decision | None:
         """kv_aware's decision by the fleet table (``app.router.fleet``), the candidates'
         rules and predictions included; None where the table does not cover it."""
-        now = self._purged_now()
-        predicted = () if now is None else {*self._newer, *self._older, *self._approx}
-        extend = None if now is None else partial(self._predicted_depth, block_hashes, now)
+        cache = self.predicted
+        now = cache.purged_now()
+        predicted = () if now is None else cache.workers()
+        extend = None if now is None else partial(cache.depth, block_hashes, now)
         return self._fleet.kv_aware(
             self.index,
             request,
@@ -515,86 +488,13 @@ class RouterCore:
             return
         view = self.workers.get(worker)
         if view is not None and view.approximate:
-            self._predict_approximate(view, block_hashes)
-            return
-        if self.predict_ttl_s <= 0:
-            return
-        self._purge(self.clock())  # into the generation of now
-        generation = self._newer.get(worker)
-        if generation is None:
-            generation = self._newer[worker] = Generation()
-        generation.add(block_hashes)
-
-    def _predict_approximate(self, view: WorkerView, block_hashes: Sequence[int]) -> None:
-        if self.approx_ttl_s <= 0:
-            return
-        expiry = self.clock() + self.approx_ttl_s
-        predicted = self._approx.get(view.worker)
-        if predicted is None:
-            predicted = self._approx[view.worker] = OrderedDict()
-        # Most recent last, and within one prompt its root last: over capacity, the least
-        # recently sent go first, and of one chain its leaves before its root (a prefix is
-        # only ever matched from the root).
-        for block_hash in reversed(block_hashes):
-            predicted[block_hash] = expiry
-            predicted.move_to_end(block_hash)
-        capacity = view.capacity_blocks
-        if capacity > 0:
-            while len(predicted) > capacity:
-                predicted.popitem(last=False)
-        self._approx_expiries.append((expiry, view.worker, block_hashes))
+            self.predicted.predict_approximate(worker, view.capacity_blocks, block_hashes)
+        else:
+            self.predicted.predict(worker, block_hashes)
 
     def unpredict(self, worker: str, block_hashes: Sequence[int]) -> None:
         """Forget that ``worker`` holds ``block_hashes``: the request never reached it."""
-        for generations in (self._newer, self._older):
-            generation = generations.get(worker)
-            if generation is not None:
-                generation.discard(block_hashes)
-        approx = self._approx.get(worker)
-        if approx:
-            for block_hash in block_hashes:
-                approx.pop(block_hash, None)
+        self.predicted.unpredict(worker, block_hashes)
 
     def num_predicted(self, worker: str) -> int:
-        now = self.clock()
-        self._purge(now)
-        held: set[int] = set()
-        for generations in (self._newer, self._older):
-            generation = generations.get(worker)
-            if generation is not None:
-                held |= generation.blocks
-        approx: dict[int, float] = self._approx.get(worker, {})
-        return len(held) + sum(1 for h, expiry in approx.items() if expiry > now and h not in held)
-
-    def _purge(self, now: float) -> None:
-        """Turn the generations when due (the older one forgotten), and forget approximate
-        workers' predictions whose ``approx_ttl_s`` passed.
-
-        Predictions are not timed one by one (a dict write and a delete per block, 256 of
-        each for a proxied 4,096-token prompt): they go into the newer of two generations,
-        and every ``predict_ttl_s`` the newer becomes the older and the older is dropped
-        whole, on a fixed beat. A prediction so lasts more than its TTL and at most twice
-        that; a lookup reads two sets. An approximate worker's predictions (``approx_ttl_s``,
-        ordered by recency) are timed one by one, from their expiry queue."""
-        if now >= self._rotate_at:
-            if now < self._rotate_at + self.predict_ttl_s:  # on time: the newer ages
-                self._older = self._newer
-                self._rotate_at += self.predict_ttl_s
-            else:  # none since a whole generation: all that was made has expired
-                self._older = {}
-                self._rotate_at = now + self.predict_ttl_s
-            self._newer = {}
-        if self._approx_expiries:
-            self._purge_queue(self._approx_expiries, now)
-
-    def _purge_queue(self, expiries: deque[tuple[float, str, Sequence[int]]], now: float) -> None:
-        while expiries and expiries[0][0] <= now:
-            _, worker, hashes = expiries.popleft()
-            predicted = self._approx.get(worker)
-            if predicted is None:
-                continue
-            for block_hash in hashes:
-                if predicted.get(block_hash, now + 1.0) <= now:
-                    del predicted[block_hash]
-            if not predicted:
-                del self._approx[worker]
+        return self.predicted.num_predicted(worker)

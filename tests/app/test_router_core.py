@@ -135,7 +135,7 @@ def test_predictions_last_one_to_two_ttls_on_a_fixed_beat() -> None:
     # everything has expired, and the tables are emptied.
     clock.now = 114.5
     assert cached() == (0, 0)
-    assert core._newer == {} and core._older == {}
+    assert core.predicted.newer == {} and core.predicted.older == {}
 
 
 def test_a_chain_sent_again_is_predicted_once_and_a_failed_one_takes_its_prefix_along() -> None:
@@ -145,7 +145,7 @@ def test_a_chain_sent_again_is_predicted_once_and_a_failed_one_takes_its_prefix_
     core.predict("w0", a)
     core.predict("w0", b)
     core.predict("w0", a)  # known by its last block: nothing written
-    generation = core._newer["w0"]
+    generation = core.predicted.newer["w0"]
     assert (len(generation.blocks), generation.leaves) == (6, {a[-1], b[-1]})
     core.unpredict("w0", a)  # a's request never reached w0: its blocks go, b's prefix too
     assert [c.matched_blocks for c in core.candidates(b)] == [0, 0]
