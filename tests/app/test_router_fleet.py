@@ -12,6 +12,7 @@ import pytest
 from app.router import fleet
 from app.router.core import NoWorkerError, RouterCore
 from app.router.policies import Decision, Weights
+from app.router.predicted import PredictedCache
 from cache import KVCacheEvent, StoredBlock, StoredData, block_hashes_for_tokens
 from events.index import PrefixIndex
 
@@ -254,31 +255,33 @@ def test_a_prediction_that_raises_leaves_no_trace(
     monkeypatch: pytest.MonkeyPatch, kernel_calls: list[int]
 ) -> None:
     """The depths handed to the kernel go back even when extending one raises."""
-    rng = random.Random(3)
     clock = Clock()
-    core, prompts = build(rng, 6, clock)
-    tokens = prompts[1][: TPB * 30]
+    core = RouterCore(PrefixIndex(), tokens_per_block=TPB, predict_ttl_s=1.0, clock=clock)
+    for worker in ("w0", "w1", "w2"):
+        core.upsert_worker(worker, url=f"http://{worker}", capacity_blocks=10_000)
+        core.set_load(worker, {"free_blocks_0": 10_000, "used_blocks_0": 0})
+    tokens = list(range(TPB * 30))
     hashes = core.hashes(tokens)
-    for worker in sorted(core.workers)[:3]:  # predicted beyond what the index holds
+    for worker in ("w0", "w1", "w2"):  # predicted; the index holds nothing
         core.predict(worker, hashes)
 
     def decide() -> Decision:
         return core.decide(hashes, len(tokens))
 
-    real = RouterCore._predicted_depth
+    real = PredictedCache.depth
     calls: list[int] = []
 
-    def fails_on_the_second(self: RouterCore, *args: Any) -> int:
+    def fails_on_the_second(self: PredictedCache, *args: Any) -> int:
         calls.append(1)
         if len(calls) == 2:
             raise RuntimeError("boom")
         return real(self, *args)
 
     with monkeypatch.context() as patch:
-        patch.setattr(RouterCore, "_predicted_depth", fails_on_the_second)
+        patch.setattr(PredictedCache, "depth", fails_on_the_second)
         with pytest.raises(RuntimeError, match="boom"):
             core.decide(hashes, len(tokens))
-    assert len(calls) == 2
+    assert len(calls) == 2  # one worker's depth was handed (30 blocks), then one raised
     clock.now += 3.0  # the predictions expire: a depth left behind would show alone
     before = len(kernel_calls)
     assert repr(decide()) == repr(python_decision(monkeypatch, decide))
