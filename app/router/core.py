@@ -224,9 +224,7 @@ class RouterCore:
         out: list[Candidate] = []
         for worker in self._order:
             view = self.workers[worker]
-            if not view.admitting or worker in skip:
-                continue
-            if model is not None and view.model is not None and view.model != model:
+            if not view.takes(model) or worker in skip:
                 continue
             depth, gpu = matches.get(worker, _NO_MATCH)
             host = depth - gpu

@@ -254,11 +254,7 @@ class FleetTable:
         key = model if model is None or model in self._models else _OTHER_MODEL
         found = self._eligible.get(key)
         if found is None:
-            views = [self.workers[worker] for worker in self._order]
-            mask = [
-                view.admitting and (model is None or view.model is None or view.model == model)
-                for view in views
-            ]
+            mask = [self.workers[worker].takes(model) for worker in self._order]
             positions = None if all(mask) else [p for p, ok in enumerate(mask) if ok]
             found = self._eligible[key] = (np.array(mask, dtype=np.uint8), positions)
         return found

@@ -154,6 +154,11 @@ class WorkerView:
         """Whether new requests may go there."""
         return not self.draining and self.cordon is None
 
+    def takes(self, model: str | None) -> bool:
+        """Whether a new request for ``model`` (None: any) may go there: it admits requests
+        and serves that model, or names none."""
+        return self.admitting and (model is None or self.model is None or self.model == model)
+
     @property
     def state(self) -> RoutingState:
         if self.draining or self.cordon == "draining":

@@ -112,12 +112,7 @@ class ArrayTable:
     ) -> tuple[list[int], list[int], list[int]]:
         """(slots, depths, host blocks among the leading ones if `tiers`), workers in the
         order they drop out."""
-        if isinstance(block_hashes, np.ndarray) and block_hashes.dtype == np.uint64:
-            arr = block_hashes
-        else:
-            arr = _hash_array(block_hashes)
-        out = self._out
-        k = kernels.match(self._rows, self._meta, arr, self._alive, out, tiers, monotone)
+        out, k = self._match(block_hashes, tiers, monotone)
         if not k:
             return [], [], []
         # One slice and one conversion, not three of each: ~1 µs a request, 2-3 µs with the
@@ -134,12 +129,17 @@ class ArrayTable:
         """`match` with tiers, as the kernel leaves it: (out, k), ``out[0, :k]`` the slots,
         ``out[1, :k]`` the depths, ``out[2, :k]`` the host blocks. `out` is the table's own,
         written again by the next match: read it first."""
+        return self._match(block_hashes, True, monotone)
+
+    def _match(
+        self, block_hashes: Sequence[int] | U64Array, tiers: bool, monotone: bool
+    ) -> tuple[npt.NDArray[np.int64], int]:
         if isinstance(block_hashes, np.ndarray) and block_hashes.dtype == np.uint64:
             arr = block_hashes
         else:
             arr = _hash_array(block_hashes)
         out = self._out
-        return out, kernels.match(self._rows, self._meta, arr, self._alive, out, True, monotone)
+        return out, kernels.match(self._rows, self._meta, arr, self._alive, out, tiers, monotone)
 
     def blocks_of(self, slot: int) -> dict[int, int]:
         keys, on_host, _ = kernels.blocks_of(self._rows, slot)
