@@ -19,6 +19,9 @@ from events.consumer import WorkerState
 
 __all__ = ["Member", "MemberState", "id_key", "id_text", "parse_load"]
 
+_MAX_I64 = (1 << 63) - 1
+_MIN_I64 = -(1 << 63)
+
 MemberState = Literal["up", "stale", "draining", "cordoned"]
 
 
@@ -107,15 +110,19 @@ class Member:
 
 
 def parse_load(raw: Any) -> dict[str, int]:
-    """A load hash as Redis returns it; fields that are not integers are left out."""
+    """A load hash as Redis returns it; fields that are not 64-bit integers (what Redis's own
+    ``HINCRBY`` holds) are left out. The bound keeps the policies' arithmetic finite: a speed of
+    10**308 ns per token made a cost of inf - inf, NaN, which no worker should win or lose by."""
     if not isinstance(raw, dict):
         return {}
     load: dict[str, int] = {}
     for name, value in raw.items():
         try:
-            load[name.decode() if isinstance(name, bytes) else str(name)] = int(value)
+            number = int(value)
         except (TypeError, ValueError):
             continue
+        if _MIN_I64 <= number <= _MAX_I64:
+            load[name.decode() if isinstance(name, bytes) else str(name)] = number
     return load
 
 

@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
-from app.cluster.members import Member
+from app.cluster.members import Member, parse_load
 from app.core.embedded_redis import EmbeddedCluster, EmbeddedRedis
 from app.router.policies import Decision
 from app.router.runtime import RouterRuntime
@@ -130,6 +130,11 @@ async def test_policy_per_request_and_per_router(clean_redis_url: str) -> None:
             "routing.weights.load",
             None,
         ),
+        (
+            {"prompt": [1], "routing": {"weights": {"decode": 1e300}}},
+            "routing.weights.decode",
+            None,
+        ),
         ({"prompt": [1], "lora_task_id": -1}, "lora_task_id", None),
         ({"prompt": [1], "surprise": 1}, "surprise", None),
     ],
@@ -187,6 +192,27 @@ async def test_the_view_reads_loads_heartbeats_and_the_first_unread_entry(
             fields = await redis.hkeys(keys.load_key(member.worker))
             assert sorted(load) == sorted(fields) and b"free_blocks_0" in load
             assert 0 < pttl <= 10_000  # the heartbeat's, in ms
+
+
+def test_a_load_field_past_64_bits_is_left_out() -> None:
+    """A load hash's fields are read as 64-bit integers, as Redis holds them: one that is not an
+    integer, or past the range (a speed of 10**308 ns per token made kv_aware's cost NaN), is
+    left out, and the rest of the report is kept."""
+    raw = {
+        b"queued_prefill_tokens": b"12",
+        b"prefill_ns_per_token": str(10**308).encode(),
+        b"step_overhead_us": str(1 << 63).encode(),
+        b"decode_ns_per_sequence": str((1 << 63) - 1).encode(),
+        b"max_tokens_per_step": str(-(1 << 63)).encode(),
+        b"free_blocks_0": str(-(1 << 63) - 1).encode(),
+        b"running_requests": b"two",
+    }
+    assert parse_load(raw) == {
+        "queued_prefill_tokens": 12,
+        "decode_ns_per_sequence": (1 << 63) - 1,
+        "max_tokens_per_step": -(1 << 63),
+    }
+    assert parse_load([b"not", b"a hash"]) == {}
 
 
 async def test_a_large_body_is_refused(clean_redis_url: str) -> None:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Generic, TypeVar
 
 __all__ = [
+    "MAX_WEIGHT",
     "Candidate",
     "Cost",
     "Decision",
@@ -36,6 +37,11 @@ __all__ = [
     "require",
     "softmax_pick",
 ]
+
+
+# The largest weight taken. Any larger is no knob but an overflow: a decode weight of 1e308 made
+# kv_aware's costs inf, and inf x a load weight of 0 is NaN, which no comparison can rank.
+MAX_WEIGHT = 1e9
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,8 +70,8 @@ class Weights:
         names = ("load", "decode", "host_hit", "temperature", "dynamo_overlap_weight", "session")
         for name in names:
             value = getattr(self, name)
-            if not (math.isfinite(value) and value >= 0):
-                raise ValueError(f"{name}: must be a finite number >= 0, got {value!r}")
+            if not 0 <= value <= MAX_WEIGHT:  # NaN is neither
+                raise ValueError(f"{name}: must be a number from 0 to 1e9, got {value!r}")
         if not 0 <= self.sglang_cache_threshold <= 1:
             raise ValueError("sglang_cache_threshold: must be within 0..1")
         if self.sglang_balance_abs < 0 or not self.sglang_balance_rel >= 1:
