@@ -54,13 +54,13 @@ class Member:
         capacity = self.info.get("capacity") or [0]
         try:
             return int(capacity[0])
-        except (TypeError, ValueError, IndexError):
+        except (TypeError, ValueError, IndexError, OverflowError):  # OverflowError: Infinity
             return 0
 
     @property
     def tokens_per_block(self) -> int | None:
         tpb = self.info.get("tokens_per_block")
-        return tpb if isinstance(tpb, int) and not isinstance(tpb, bool) else None
+        return tpb if isinstance(tpb, int) and not isinstance(tpb, bool) and tpb > 0 else None
 
     @property
     def approximate(self) -> bool:
@@ -112,7 +112,8 @@ class Member:
 def parse_load(raw: Any) -> dict[str, int]:
     """A load hash as Redis returns it; fields that are not 64-bit integers (what Redis's own
     ``HINCRBY`` holds) are left out. The bound keeps the policies' arithmetic finite: a speed of
-    10**308 ns per token made a cost of inf - inf, NaN, which no worker should win or lose by."""
+    10**308 ns per token made a cost of inf, and with a load weight of 0 inf x 0, NaN,
+    which no worker should win or lose by."""
     if not isinstance(raw, dict):
         return {}
     load: dict[str, int] = {}

@@ -136,15 +136,13 @@ def speed_fields(speed: SimTiming, max_tokens_per_step: int) -> dict[str, int]:
 
 
 def speed_from_load(load: Mapping[str, int]) -> tuple[SimTiming, int] | None:
-    """The speed and step token budget a load report carries, or None if it carries none."""
+    """The speed and step token budget a load report carries, or None if it carries none, or
+    one no fit gives (a time below 0, a budget below 1 token: ``speed_fields`` writes neither,
+    and a worker reporting a step of -1e12 µs would win every request)."""
     try:
-        return (
-            SimTiming(
-                load["step_overhead_us"] / 1e6,
-                load["prefill_ns_per_token"] / 1e9,
-                load["decode_ns_per_sequence"] / 1e9,
-            ),
-            int(load["max_tokens_per_step"]),
-        )
+        step_us, prefill_ns, decode_ns, budget = (load[name] for name in SPEED_FIELDS)
     except KeyError:
         return None
+    if min(step_us, prefill_ns, decode_ns) < 0 or budget < 1:
+        return None
+    return SimTiming(step_us / 1e6, prefill_ns / 1e9, decode_ns / 1e9), int(budget)

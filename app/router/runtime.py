@@ -170,7 +170,9 @@ class RouterRuntime:
 
     def _compatible(self, worker: str, tokens_per_block: int | None) -> bool:
         if tokens_per_block is None:
-            self.incompatible[worker] = "its registry entry has no tokens_per_block"
+            self.incompatible[worker] = (
+                "its registry entry has no tokens_per_block (a positive integer)"
+            )
             return False
         if not self.tokens_per_block_known:
             self.core.tokens_per_block = tokens_per_block

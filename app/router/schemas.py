@@ -14,8 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from app.chat import ChatCompletionRequest, ChatMessage
 from app.chat.schemas import template_tools
-from app.router.policies.base import MAX_WEIGHT
-from app.router.settings import PolicyName
+from app.router.settings import PolicyName, weight_field
 
 MAX_U64 = (1 << 64) - 1
 
@@ -25,15 +24,15 @@ class WeightsOverride(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    load: float | None = Field(None, ge=0, le=MAX_WEIGHT, allow_inf_nan=False)
-    decode: float | None = Field(None, ge=0, le=MAX_WEIGHT, allow_inf_nan=False)
-    host_hit: float | None = Field(None, ge=0, le=MAX_WEIGHT, allow_inf_nan=False)
-    temperature: float | None = Field(None, ge=0, le=MAX_WEIGHT, allow_inf_nan=False)
-    dynamo_overlap_weight: float | None = Field(None, ge=0, le=MAX_WEIGHT, allow_inf_nan=False)
+    load: float | None = weight_field(None)
+    decode: float | None = weight_field(None)
+    host_hit: float | None = weight_field(None)
+    temperature: float | None = weight_field(None)
+    dynamo_overlap_weight: float | None = weight_field(None)
     sglang_cache_threshold: float | None = Field(None, ge=0, le=1)
     sglang_balance_abs: int | None = Field(None, ge=0)
     sglang_balance_rel: float | None = Field(None, ge=1, allow_inf_nan=False)
-    session: float | None = Field(None, ge=0, le=MAX_WEIGHT, allow_inf_nan=False)
+    session: float | None = weight_field(None)
 
 
 class Routing(BaseModel):

@@ -9,7 +9,7 @@ before anything starts.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import NoDecode, SettingsConfigDict
@@ -18,10 +18,16 @@ from app.chat import ModelTokenizer, TokenizerLoadError
 from app.cluster.view import check_read_interval
 from app.core.settings import Settings
 from app.router.policies import Weights
+from app.router.policies.base import MAX_WEIGHT
 
-__all__ = ["PolicyName", "RouterSettings"]
+__all__ = ["PolicyName", "RouterSettings", "weight_field"]
 
 PolicyName = Literal["kv_aware", "round_robin", "random", "least_loaded", "dynamo", "sglang"]
+
+
+def weight_field(default: float | None, description: str | None = None) -> Any:
+    """A policy weight's field, as ``Weights`` bounds it (a larger weight overflows the costs)."""
+    return Field(default, ge=0, le=MAX_WEIGHT, allow_inf_nan=False, description=description)
 
 
 class RouterSettings(Settings):
@@ -32,15 +38,15 @@ class RouterSettings(Settings):
     host: str = Field("127.0.0.1", description="address to listen on")
     port: int = Field(8000, ge=0, le=65_535, description="port to listen on")
     policy: PolicyName = Field("kv_aware", description="routing policy")
-    load_weight: float = Field(0.1, ge=0, description="kv_aware: weight of the queued prefill")
-    decode_weight: float = Field(
-        8.0, ge=0, description="kv_aware: prefill tokens one running sequence is worth"
+    load_weight: float = weight_field(0.1, "kv_aware: weight of the queued prefill")
+    decode_weight: float = weight_field(
+        8.0, "kv_aware: prefill tokens one running sequence is worth"
     )
-    host_hit_weight: float = Field(
-        0.25, ge=0, description="kv_aware: cost of a host-tier token as a fraction of recomputing"
+    host_hit_weight: float = weight_field(
+        0.25, "kv_aware: cost of a host-tier token as a fraction of recomputing"
     )
-    temperature: float = Field(0.0, ge=0, description="0: lowest cost wins; > 0: softmax sampling")
-    dynamo_overlap_weight: float = Field(1.0, ge=0, description="dynamo: overlap_score_weight")
+    temperature: float = weight_field(0.0, "0: lowest cost wins; > 0: softmax sampling")
+    dynamo_overlap_weight: float = weight_field(1.0, "dynamo: overlap_score_weight")
     sglang_cache_threshold: float = Field(0.3, ge=0, le=1, description="sglang: cache_threshold")
     sglang_balance_abs: int = Field(64, ge=0, description="sglang: balance_abs_threshold")
     sglang_balance_rel: float = Field(1.5, ge=1, description="sglang: balance_rel_threshold")
@@ -87,11 +93,10 @@ class RouterSettings(Settings):
         description="a tokenizer directory or tokenizer.json for the models --model does not "
         "name (default: none; token ids need none, other prompts are routed by load only)",
     )
-    session_weight: float = Field(
+    session_weight: float = weight_field(
         0.1,
-        ge=0,
-        description="kv_aware: a session's last worker is preferred by this fraction of the "
-        "prompt's prefill (x-session-id or user; 0: off)",
+        "kv_aware: a session's last worker is preferred by this fraction of the prompt's "
+        "prefill (x-session-id or user; 0: off)",
     )
     load_interval_s: float = Field(0.1, gt=0, description="how often to read the workers' load")
     sync_interval_s: float = Field(0.05, gt=0, description="how often to take the consumer's view")

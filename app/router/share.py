@@ -52,6 +52,7 @@ from events.redis_io import REDIS_ERRORS
 __all__ = ["DecisionShare", "default_router_id"]
 
 LONELY_HELLO_S = 10.0  # a router that knows no other says hello again this often
+_MAX_I64 = (1 << 63) - 1
 
 logger = logging.getLogger(__name__)
 
@@ -200,8 +201,8 @@ class DecisionShare:
                     router,
                     request_id,
                     fields[b"w"].decode(),
-                    int(fields[b"t"]),
-                    int(fields[b"n"]),
+                    _count(fields[b"t"]),
+                    _count(fields[b"n"]),
                     hashes,
                 )
                 self._hear(router)
@@ -299,3 +300,13 @@ class DecisionShare:
             "remote_inflight": len(self.core.remote),
             "bytes_published_per_request": round(per_request, 1),
         }
+
+
+def _count(raw: bytes) -> int:
+    """A flight's token or block count as another router wrote it: an integer from 0 to 2**63-1,
+    as a worker's load fields are (``app.cluster.members.parse_load``), else a ValueError. A
+    count past that would make the costs inf (the load term), or NaN with a load weight of 0."""
+    value = int(raw)
+    if not 0 <= value <= _MAX_I64:
+        raise ValueError(f"count {value!r} out of range")
+    return value

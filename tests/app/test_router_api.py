@@ -17,6 +17,7 @@ from app.core.embedded_redis import EmbeddedCluster, EmbeddedRedis
 from app.router.policies import Decision
 from app.router.runtime import RouterRuntime
 from events import keys
+from events.consumer import WorkerState
 from tests.app.router_support import router_client, router_settings
 from tests.app.worker_support import AUTH, worker_client, worker_settings
 from tests.support.wait import eventually
@@ -213,6 +214,25 @@ def test_a_load_field_past_64_bits_is_left_out() -> None:
         "max_tokens_per_step": -(1 << 63),
     }
     assert parse_load([b"not", b"a hash"]) == {}
+
+
+@pytest.mark.parametrize(
+    ("info", "capacity", "tokens_per_block"),
+    [
+        ({"capacity": [4096, 0], "tokens_per_block": 16}, 4096, 16),
+        ({"capacity": [float("inf")], "tokens_per_block": 0}, 0, None),
+        ({"capacity": ["many"], "tokens_per_block": True}, 0, None),
+        ({"capacity": [], "tokens_per_block": -16}, 0, None),
+    ],
+)
+def test_a_registry_entry_is_read_without_raising(
+    info: dict[str, Any], capacity: int, tokens_per_block: int | None
+) -> None:
+    """What a worker's registry entry says of its capacity and block size (JSON: Infinity
+    parses as a float that int() cannot take); a block size below 1 is none, and the router
+    leaves that worker out as incompatible."""
+    member = Member("w0", WorkerState("w0", b"kv:w0", info=info))
+    assert (member.capacity_blocks, member.tokens_per_block) == (capacity, tokens_per_block)
 
 
 async def test_a_large_body_is_refused(clean_redis_url: str) -> None:

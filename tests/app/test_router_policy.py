@@ -206,6 +206,22 @@ def test_kv_aware_with_temperature_samples_by_softmax() -> None:
     assert set(cold) == {"a"}
 
 
+def test_a_temperature_that_underflows_samples_the_lowest() -> None:
+    """dynamo's scale is temperature x the logits' spread: 5e-324 x 1/16 is 0.0, the limit of
+    the softmax, which puts all its weight on the lowest (it divided by zero)."""
+    candidates = [cand("a", queued_prefill_tokens=1), cand("b"), cand("c", queued_prefill_tokens=1)]
+    state = PolicyState(seed=3)
+    tiny = Weights(temperature=5e-324)
+    decisions = [dynamo(req(64), candidates, tiny, state) for _ in range(20)]
+    assert [c.cost for c in decisions[0].costs] == [4.0 + 1 / 16 + 4, 8.0, 4.0 + 1 / 16 + 4]
+    assert {d.worker for d in decisions} == {"b"}
+    # Two lowest: each as likely, as the seeded generator draws them.
+    tied = [cand("a"), cand("b", queued_prefill_tokens=1), cand("c")]
+    picks = [dynamo(req(64), tied, tiny, PolicyState(seed=5)).worker for _ in range(2)]
+    rng = random.Random(5)
+    assert picks == [rng.choices("abc", weights=[1.0, 0.0, 1.0])[0]] * 2
+
+
 def test_round_robin_cycles_and_ranks() -> None:
     candidates = [cand("a"), cand("b"), cand("c")]
     state = PolicyState()
@@ -322,10 +338,13 @@ def test_every_policy_is_registered_and_refuses_an_empty_list() -> None:
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
-        ({"load": -1.0}, "load: must be a number from 0 to 1e9, got -1.0"),
-        ({"temperature": float("inf")}, "temperature: must be a number from 0 to 1e9, got inf"),
-        ({"decode": 1e308}, "decode: must be a number from 0 to 1e9, got 1e+308"),
-        ({"session": float("nan")}, "session: must be a number from 0 to 1e9, got nan"),
+        ({"load": -1.0}, "load: must be a number from 0 to 1,000,000,000, got -1.0"),
+        (
+            {"temperature": float("inf")},
+            "temperature: must be a number from 0 to 1,000,000,000, got inf",
+        ),
+        ({"decode": 1e308}, "decode: must be a number from 0 to 1,000,000,000, got 1e+308"),
+        ({"session": float("nan")}, "session: must be a number from 0 to 1,000,000,000, got nan"),
         ({"sglang_cache_threshold": 1.5}, "sglang_cache_threshold: must be within 0..1"),
     ],
 )

@@ -85,11 +85,20 @@ async def test_a_routers_flights_reach_the_other(clean_redis_url: str) -> None:
         await eventually(lambda: a.stats()["published"] == 3)
         assert (a.stats()["dropped"], b.stats()["malformed"]) == (0, 0)
 
-        # A malformed entry is counted and skipped.
+        # A malformed entry is counted and skipped: a field missing, or a count that is not
+        # an integer from 0 to 2**63-1 (past it the costs were inf, or NaN with a load weight
+        # of 0).
         client: Any = aioredis.Redis.from_url(clean_redis_url)
         await client.xadd(keys.DECISIONS_KEY, {"r": "rx", "k": "b", "q": "x"})
+        flight = {"r": "rx", "k": "b", "w": "w0", "t": "100", "n": "7", "h": b""}
+        for i, bad in enumerate(({"t": str(10**400)}, {"t": "-1"}, {"n": str(1 << 63)})):
+            await client.xadd(keys.DECISIONS_KEY, {**flight, "q": f"bad-{i}", **bad})
+        await client.xadd(keys.DECISIONS_KEY, {**flight, "q": "good", "n": str((1 << 63) - 1)})
         await client.aclose()
-        await eventually(lambda: b.stats()["malformed"] == 1)
+        await eventually(lambda: b.stats()["applied"] == 4)
+        assert b.stats()["malformed"] == 4
+        assert list(b.core.remote) == [("rx", "good")]
+        assert view.remote_prefill_tokens == 100
 
 
 async def test_a_router_alone_publishes_nothing(clean_redis_url: str) -> None:

@@ -71,6 +71,13 @@ def test_load_fields_round_trip() -> None:
     assert tuple(fields) == SPEED_FIELDS
     assert speed_from_load({**fields, "waiting_requests": 3}) == (TRUE, 8_192)
     assert speed_from_load({"waiting_requests": 3}) is None
+    # A speed no fit gives is no speed: the worker is costed as one that reports none.
+    for name, bad in [(name, -1) for name in SPEED_FIELDS] + [("max_tokens_per_step", 0)]:
+        assert speed_from_load({**fields, name: bad}) is None, name
+    assert speed_from_load({**fields, "step_overhead_us": 0}) == (
+        SimTiming(0.0, 100e-6, 150e-6),
+        8_192,
+    )
 
 
 def test_a_run_of_identical_steps_counts_as_that_many() -> None:

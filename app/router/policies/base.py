@@ -71,7 +71,8 @@ class Weights:
         for name in names:
             value = getattr(self, name)
             if not 0 <= value <= MAX_WEIGHT:  # NaN is neither
-                raise ValueError(f"{name}: must be a number from 0 to 1e9, got {value!r}")
+                bound = f"{MAX_WEIGHT:,.0f}"
+                raise ValueError(f"{name}: must be a number from 0 to {bound}, got {value!r}")
         if not 0 <= self.sglang_cache_threshold <= 1:
             raise ValueError("sglang_cache_threshold: must be within 0..1")
         if self.sglang_balance_abs < 0 or not self.sglang_balance_rel >= 1:
@@ -236,5 +237,8 @@ def lowest(
 def softmax_pick(values: Sequence[float], scale: float, state: PolicyState) -> int:
     """Sample an index with probability proportional to exp(-value / scale)."""
     low = min(values)
-    weights = [math.exp(-(v - low) / scale) for v in values]
+    if not scale > 0:  # a temperature so small it underflowed (5e-324 x a spread below 1)
+        weights = [1.0 if v == low else 0.0 for v in values]  # the limit: the lowest, evenly
+    else:
+        weights = [math.exp(-(v - low) / scale) for v in values]
     return state.rng.choices(range(len(values)), weights=weights)[0]
