@@ -8,7 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from app.bench.procfs import busy_us_per_request, descendants, replicas, tree_cpu_seconds
+from app.bench.procfs import (
+    busy_us_per_request,
+    descendants,
+    replicas,
+    tree_cpu_seconds,
+    tree_run_seconds,
+)
 
 # A parent that spawns two children (as `kvmesh router --processes 2` does), which each burn
 # 0.3 s of CPU and then wait to be killed.
@@ -56,6 +62,12 @@ def test_a_parent_with_spawned_replicas(tmp_path: Path) -> None:
         assert total is not None
         assert total == pytest.approx(own + sum(_own_cpu_seconds(c) for c in children))
         assert total >= own + 0.5  # both children's 0.3 s, in 10 ms ticks
+        # To the nanosecond: each child ran its 0.3 s (its process time, the same clock) and
+        # more; the ticks, sampled, agree within a few of them per thread.
+        run = tree_run_seconds(proc.pid)
+        assert run is not None
+        assert run >= 0.6
+        assert run == pytest.approx(total, abs=0.1)
     finally:
         for child in children:  # daemonic children outlive a killed parent
             os.kill(child, signal.SIGKILL)
@@ -67,6 +79,9 @@ def test_a_parent_with_spawned_replicas(tmp_path: Path) -> None:
 
 def test_no_process() -> None:
     assert tree_cpu_seconds(None) is None
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    assert tree_run_seconds(gone.pid) is None
     assert replicas(None) == 1
 
 
