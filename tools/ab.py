@@ -19,8 +19,9 @@ at once and take turns, so both see the same host, second by second:
   ``completions``: non-streamed ``/v1/completions`` of 4,096 token ids (``max_tokens`` 1, the
   proxy bench's 64 prompts, all cached in the worker first); for ``route``: ``POST /route``
   with the router bench's 4,096-token prompts;
-* each router's CPU over the round from ``/proc``, per request it answered; the round's ratio
-  B/A. Reported: every round, and the mean ratio with its 95 % t-interval over the rounds.
+* each router's CPU over the round from ``/proc`` (its threads' run time in nanoseconds, where
+  the kernel keeps schedstat), per request it answered; the round's ratio B/A. Reported: every
+  round, and the mean ratio with its 95 % t-interval over the rounds.
 
 Each router's CPU includes its background work (its load reads; for ``completions`` the
 worker's KV events of both routers' requests): only the ratio means anything, not either figure
