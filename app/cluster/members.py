@@ -53,9 +53,10 @@ class Member:
     def capacity_blocks(self) -> int:
         capacity = self.info.get("capacity") or [0]
         try:
-            return int(capacity[0])
+            blocks = int(capacity[0])
         except (TypeError, ValueError, IndexError, OverflowError):  # OverflowError: Infinity
             return 0
+        return min(max(blocks, 0), _MAX_I64)  # as a load field's range, and never below 0
 
     @property
     def tokens_per_block(self) -> int | None:

@@ -49,7 +49,9 @@ class RouterSettings(Settings):
     dynamo_overlap_weight: float = weight_field(1.0, "dynamo: overlap_score_weight")
     sglang_cache_threshold: float = Field(0.3, ge=0, le=1, description="sglang: cache_threshold")
     sglang_balance_abs: int = Field(64, ge=0, description="sglang: balance_abs_threshold")
-    sglang_balance_rel: float = Field(1.5, ge=1, description="sglang: balance_rel_threshold")
+    sglang_balance_rel: float = Field(
+        1.5, ge=1, allow_inf_nan=False, description="sglang: balance_rel_threshold"
+    )
     seed: int = Field(0, ge=0, description="seed of random choices and tie-breaks")
     predict_ttl_s: float = Field(
         2.0,

@@ -223,6 +223,8 @@ def test_a_load_field_past_64_bits_is_left_out() -> None:
         ({"capacity": [float("inf")], "tokens_per_block": 0}, 0, None),
         ({"capacity": ["many"], "tokens_per_block": True}, 0, None),
         ({"capacity": [], "tokens_per_block": -16}, 0, None),
+        ({"capacity": [-5]}, 0, None),
+        ({"capacity": [1e300], "tokens_per_block": 1}, (1 << 63) - 1, 1),
     ],
 )
 def test_a_registry_entry_is_read_without_raising(

@@ -52,10 +52,11 @@ def random_load(rng: random.Random) -> dict[str, int]:
     }
     if rng.random() < 0.7:  # a worker that reports its speed
         load |= {
-            "step_overhead_us": rng.choice([0, 900, 3_000]),
+            # -900: a speed no fit gives, read as none (``speed_from_load``)
+            "step_overhead_us": rng.choice([0, 900, 3_000, -900]),
             "prefill_ns_per_token": rng.choice([15_000, 40_000, 90_000, 40_000]),
             "decode_ns_per_sequence": rng.choice([0, 100_000, 250_000]),
-            "max_tokens_per_step": rng.choice([0, 8, 512, 8_192]),
+            "max_tokens_per_step": rng.choice([1, 8, 512, 8_192]),
         }
     return load
 

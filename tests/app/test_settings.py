@@ -91,6 +91,18 @@ def test_a_bad_redis_url_is_refused_saying_why(url: str, message: str) -> None:
     assert "s3cret" not in str(exc_info.value.errors(include_input=False))
 
 
+@pytest.mark.parametrize("name", ["load_weight", "decode_weight", "temperature", "session_weight"])
+def test_a_weight_flag_past_the_bound_is_refused_by_its_name(name: str) -> None:
+    """The router's weight flags carry ``Weights``' bound in their schema, so the error names
+    the flag (``--decode-weight``), not the weight, and ``--help`` and ``docs/api.md`` show it."""
+    with pytest.raises(ValidationError) as exc_info:
+        RouterSettings.model_validate({"redis_url": "redis://localhost:6379/0", name: 1e10})
+    [error] = exc_info.value.errors()
+    assert (error["loc"], error["type"]) == ((name,), "less_than_equal")
+    settings = {"redis_url": "redis://localhost:6379/0", name: 1e9}
+    assert getattr(RouterSettings.model_validate(settings), name) == 1e9
+
+
 def test_a_tokenizer_that_loads_is_kept_as_its_path(tmp_path: Path) -> None:
     from tokenizers import Tokenizer, models
 
