@@ -19,8 +19,8 @@ at once and take turns, so both see the same host, second by second:
   ``completions``: non-streamed ``/v1/completions`` of 4,096 token ids (``max_tokens`` 1, the
   proxy bench's 64 prompts, all cached in the worker first); for ``route``: ``POST /route``
   with the router bench's 4,096-token prompts;
-* each router's CPU over the round from ``/proc`` (its threads' run time in nanoseconds, where
-  the kernel keeps schedstat), per request it answered; the round's ratio B/A. Reported: every
+* each router's CPU over the round (its processes' CPU clocks, in nanoseconds; else ``/proc``'s
+  10 ms ticks), per request it answered; the round's ratio B/A. Reported: every
   round, and the mean ratio with its 95 % t-interval over the rounds.
 
 Each router's CPU includes its background work (its load reads; for ``completions`` the
@@ -186,7 +186,9 @@ async def _interleave(
         for i in range(NUM_WARMUP):
             for side in order:
                 await clients[side].post(bodies[i % len(bodies)])
-        before = {side: _cpu_seconds(pids[side]) for side in order}
+        # One clock per router, read the same way before and after.
+        clocks = {side: _cpu_clock(pids[side]) for side in order}
+        before = {side: clocks[side]() for side in order}
         counts = dict.fromkeys(order, 0)
         for i in range(requests):
             side = order[i % 2]
@@ -194,11 +196,11 @@ async def _interleave(
             if fault is not None:
                 raise RuntimeError(f"router {side.upper()} {fault}")
             counts[side] += 1
-        cpu = {side: _cpu_seconds(pids[side]) - before[side] for side in order}
+        cpu = {side: clocks[side]() - before[side] for side in order}
     finally:
         for client in clients.values():
             await client.aclose()
-    if not cpu["a"] or not cpu["b"]:  # without schedstat, /proc counts in 10 ms ticks
+    if cpu["a"] <= 0 or cpu["b"] <= 0:  # possible in ticks (10 ms each), without a CPU clock
         raise RuntimeError(f"a router used no CPU that /proc could see over {requests} requests")
     return Round(
         b_first=b_first,
@@ -209,11 +211,12 @@ async def _interleave(
     )
 
 
-def _cpu_seconds(pid: int) -> float:
-    """A router's CPU so far: to the nanosecond where the kernel keeps schedstat, else in 10 ms
-    ticks (a round of 200 requests is a few of them)."""
-    run = tree_run_seconds(pid)
-    return run if run is not None else tree_cpu_seconds(pid) or 0.0
+def _cpu_clock(pid: int) -> Callable[[], float]:
+    """A router's CPU so far: to the nanosecond by its processes' CPU clocks, else (no such
+    clock) in 10 ms ticks, a few in a round of 200 requests."""
+    if tree_run_seconds(pid) is not None:
+        return lambda: tree_run_seconds(pid) or 0.0
+    return lambda: tree_cpu_seconds(pid) or 0.0
 
 
 def _router_args(redis_url: str, port: int) -> list[str]:

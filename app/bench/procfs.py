@@ -4,13 +4,14 @@
 the work (``app.core.replicas``): its CPU is its children's. ``tree_cpu_seconds`` sums user +
 system time over the process and every descendant alive when it is read (a child's time is in
 its parent's ``cutime`` only once it has exited and been waited for, so the live children are
-read one by one), in 10 ms ticks; ``tree_run_seconds`` the same in nanoseconds, for
-``tools/ab.py``'s short rounds.
+read one by one), in 10 ms ticks; ``tree_run_seconds`` the same to the nanosecond (each
+process's CPU clock), for ``tools/ab.py``'s short rounds.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 __all__ = [
@@ -68,26 +69,25 @@ def tree_cpu_seconds(pid: int | None) -> float | None:
 
 
 def tree_run_seconds(pid: int) -> float | None:
-    """``tree_cpu_seconds`` to the nanosecond: the time every live thread of ``pid`` and its
-    descendants has run, from ``/proc/PID/task/TID/schedstat`` (a thread that has exited no
-    longer counts, so only a difference over a window where none exits is exact). For a window
-    too short for ticks: 200 requests at 100 µs are two of them, and may read as none. None
-    where the kernel keeps no schedstat or ``pid`` is gone."""
-    total_ns = 0
+    """``tree_cpu_seconds`` to the nanosecond, for a window too short for ticks (200 requests at
+    100 µs are two of them, and may read as none): each process's CPU clock (Linux's
+    ``clock_getcpuclockid``, every thread it has run, the exited ones included) summed over
+    ``pid`` and its live descendants. None where ``pid`` is gone or the clock is not Linux's."""
+    total = 0.0
     for process in (pid, *descendants(pid)):
         try:
-            tasks = list(Path(f"/proc/{process}/task").iterdir())
+            total += time.clock_gettime(_cpu_clock(process))
         except OSError:
             if process == pid:
                 return None
-            continue  # a child that exited meanwhile
-        for task in tasks:
-            try:
-                total_ns += int((task / "schedstat").read_text().split()[0])
-            except (OSError, ValueError, IndexError):
-                if process == pid and task.name == str(pid):
-                    return None
-    return total_ns / 1e9
+            # a child that exited meanwhile
+    return total
+
+
+def _cpu_clock(pid: int) -> int:
+    """The clock id of ``pid``'s CPU time, as glibc's ``clock_getcpuclockid`` makes it (the
+    kernel's process clock, CPUCLOCK_SCHED: ``(~pid << 3) | 2``); Python has no binding."""
+    return ((~pid) << 3) | 2
 
 
 def replicas(pid: int | None) -> int:
