@@ -17,10 +17,12 @@ from typing import Any, Literal
 from app.cluster.fleet import Cordon
 from events.consumer import WorkerState
 
-__all__ = ["Member", "MemberState", "id_key", "id_text", "parse_load"]
+__all__ = ["MAX_I64", "MIN_I64", "Member", "MemberState", "id_key", "id_text", "parse_load"]
 
-_MAX_I64 = (1 << 63) - 1
-_MIN_I64 = -(1 << 63)
+# A load field's range, as Redis's HINCRBY holds it; other counts workers and routers report
+# are read within it too (app.router.share).
+MAX_I64 = (1 << 63) - 1
+MIN_I64 = -(1 << 63)
 
 MemberState = Literal["up", "stale", "draining", "cordoned"]
 
@@ -56,7 +58,7 @@ class Member:
             blocks = int(capacity[0])
         except (TypeError, ValueError, IndexError, OverflowError):  # OverflowError: Infinity
             return 0
-        return min(max(blocks, 0), _MAX_I64)  # as a load field's range, and never below 0
+        return min(max(blocks, 0), MAX_I64)  # as a load field's range, and never below 0
 
     @property
     def tokens_per_block(self) -> int | None:
@@ -123,7 +125,7 @@ def parse_load(raw: Any) -> dict[str, int]:
             number = int(value)
         except (TypeError, ValueError):
             continue
-        if _MIN_I64 <= number <= _MAX_I64:
+        if MIN_I64 <= number <= MAX_I64:
             load[name.decode() if isinstance(name, bytes) else str(name)] = number
     return load
 

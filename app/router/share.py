@@ -45,6 +45,7 @@ from typing import Any, cast
 import numpy as np
 from redis.asyncio import Redis
 
+from app.cluster.members import MAX_I64
 from app.router.core import InFlight, RouterCore
 from events import keys
 from events.redis_io import REDIS_ERRORS
@@ -52,7 +53,6 @@ from events.redis_io import REDIS_ERRORS
 __all__ = ["DecisionShare", "default_router_id"]
 
 LONELY_HELLO_S = 10.0  # a router that knows no other says hello again this often
-_MAX_I64 = (1 << 63) - 1
 
 logger = logging.getLogger(__name__)
 
@@ -307,6 +307,6 @@ def _count(raw: bytes) -> int:
     as a worker's load fields are (``app.cluster.members.parse_load``), else a ValueError. A
     count past that would make the costs inf (the load term), or NaN with a load weight of 0."""
     value = int(raw)
-    if not 0 <= value <= _MAX_I64:
+    if not 0 <= value <= MAX_I64:
         raise ValueError(f"count {value!r} out of range")
     return value
